@@ -1,0 +1,63 @@
+"""Orbax checkpoints written by `scripts/convert.py`: the fast way to reload a model.
+
+Layout of a checkpoint directory:
+  xlaserve.json   {"format": 1, "dtype": ..., "config": ModelConfig fields}
+  params/         Orbax StandardCheckpointer tree, nested like the model's state
+  tokenizer files (tokenizer.json, tokenizer_config.json, ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from models.config import ModelConfig, RopeScaling
+from models.weights import WeightError, abstract_model
+
+MARKER = "xlaserve.json"
+FORMAT = 1
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def save_checkpoint(dst: str | Path, cfg: ModelConfig, params: dict, dtype) -> None:
+    dst = Path(dst).absolute()
+    dst.mkdir(parents=True, exist_ok=True)
+    meta = {"format": FORMAT, "dtype": jnp.dtype(dtype).name, "config": dataclasses.asdict(cfg)}
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(dst / "params", params, force=True)
+    (dst / MARKER).write_text(json.dumps(meta, indent=2))  # last: marks a complete checkpoint
+
+
+def checkpoint_config(path: str | Path) -> tuple[ModelConfig, str]:
+    file = Path(path) / MARKER
+    meta = json.loads(file.read_text())
+    if meta.get("format") != FORMAT:
+        raise WeightError(f"{file}: unknown checkpoint format {meta.get('format')!r}")
+    fields = dict(meta["config"])
+    if fields.get("rope_scaling"):
+        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    return ModelConfig(**fields), meta["dtype"]
+
+
+def load_checkpoint_params(path: str | Path, cfg: ModelConfig, dtype) -> dict:
+    """Restore straight onto the device, in `dtype`, with every shape checked by Orbax."""
+    from flax import nnx
+
+    state = nnx.state(abstract_model(cfg, dtype))
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype, sharding=sharding),
+                          nnx.to_pure_dict(state))
+    params_dir = Path(path).absolute() / "params"
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            return ckptr.restore(params_dir, target)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise WeightError(f"{params_dir}: checkpoint does not match the model config ({e})") from e

@@ -1,0 +1,83 @@
+"""Single-sequence greedy decoding through the paged KV cache.
+
+The plain path used by parity checks and tests: prefill the prompt in one step,
+then one token per step. The engine's batched runner is the real serving path;
+this one exists so the model can be checked against a reference on its own.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.llama import Llama
+from ops.attention import AttentionMetadata, KVCache
+
+
+def _bucket(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+class GreedyDecoder:
+    def __init__(self, model: Llama, *, max_len: int = 1024, page_size: int = 16):
+        cfg = model.cfg
+        self.cfg, self.page_size = cfg, page_size
+        self.num_pages = -(-max_len // page_size)
+        self.max_len = self.num_pages * page_size
+        self.graphdef, self.state = nnx.split(model)
+        self.dtype = model.embed[...].dtype
+
+        def step(state, tokens, positions, cache, md, logits_indices):
+            m = nnx.merge(self.graphdef, state)
+            return m(tokens, positions, cache, md, logits_indices)
+
+        self._step = jax.jit(step, donate_argnums=(3,))
+
+    def new_cache(self) -> KVCache:
+        # Page 0 is the dummy page for padded rows; the sequence uses pages 1..num_pages.
+        return KVCache.zeros(self.cfg.num_layers, self.num_pages + 1, self.page_size,
+                             self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype)
+
+    def run(self, cache: KVCache, tokens: list[int], start: int, all_logits: bool = False):
+        """Append `tokens` (at positions start..) to the sequence; return logits and cache."""
+        n = len(tokens)
+        if start + n > self.max_len:
+            raise ValueError(f"sequence of {start + n} tokens exceeds max_len {self.max_len}")
+        t = _bucket(n) if n > 1 else 1
+        pos = np.arange(start, start + n, dtype=np.int32)
+        ids = np.zeros(t, np.int32)
+        ids[:n] = tokens
+        positions = np.zeros(t, np.int32)
+        positions[:n] = pos
+        slots = np.zeros(t, np.int32)  # padded rows write to page 0
+        slots[:n] = (1 + pos // self.page_size) * self.page_size + pos % self.page_size
+        md = AttentionMetadata(
+            slot_mapping=jnp.asarray(slots),
+            query_start_loc=jnp.asarray([0, n], jnp.int32),
+            kv_lens=jnp.asarray([start + n], jnp.int32),
+            page_tables=jnp.arange(1, self.num_pages + 1, dtype=jnp.int32)[None, :],
+        )
+        idx = np.arange(t if all_logits else 1, dtype=np.int32) + (0 if all_logits else n - 1)
+        logits, cache = self._step(self.state, jnp.asarray(ids), jnp.asarray(positions), cache,
+                                   md, jnp.asarray(idx))
+        return (np.asarray(logits[:n]) if all_logits else np.asarray(logits[0])), cache
+
+    def prompt_logits(self, tokens: list[int]) -> np.ndarray:
+        """[len(tokens), V] float32 logits of a full forward pass."""
+        logits, _ = self.run(self.new_cache(), tokens, 0, all_logits=True)
+        return logits
+
+    def generate(self, prompt: list[int], max_new_tokens: int):
+        """Greedy continuation; returns (new token ids, [max_new_tokens, V] logits)."""
+        cache = self.new_cache()
+        logits, cache = self.run(cache, prompt, 0)
+        out, steps = [], []
+        for i in range(max_new_tokens):
+            steps.append(logits)
+            token = int(np.argmax(logits))
+            out.append(token)
+            if i + 1 < max_new_tokens:
+                logits, cache = self.run(cache, [token], len(prompt) + i)
+        return out, np.stack(steps)

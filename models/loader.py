@@ -1,0 +1,87 @@
+"""`load_model(path)`: one entry point for GGUF files, HF directories and Orbax checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import checkpoint
+from models.config import ModelConfig
+from models.gguf_loader import gguf_config, load_gguf_params
+from models.hf_loader import load_hf_params
+from models.llama import Llama
+from models.weights import build_model
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def default_dtype() -> str:
+    """float32 on CPU (exactness, speed of f32 matmuls there); bfloat16 on GPU/TPU."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def resolve_dtype(dtype: str | None):
+    name = dtype or default_dtype()
+    if name == "auto":
+        name = default_dtype()
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose from {', '.join(DTYPES)} or auto")
+    return DTYPES[name]
+
+
+def model_format(path: str | Path) -> str:
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    if path.is_dir() and checkpoint.is_checkpoint(path):
+        return "orbax"
+    if path.is_dir() and (path / "config.json").is_file():
+        return "hf"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such model file or directory")
+    raise ValueError(f"{path}: not a GGUF file, an HF model directory (config.json + "
+                     f"*.safetensors) or an xlaserve Orbax checkpoint")
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    fmt = model_format(path)
+    if fmt == "gguf":
+        return gguf_config(path)
+    if fmt == "orbax":
+        return checkpoint.checkpoint_config(path)[0]
+    return ModelConfig.from_hf_dir(path)
+
+
+def load_host_params(path: str | Path, cfg: ModelConfig, dtype) -> dict:
+    """Parameters as host numpy arrays (GGUF and HF sources only)."""
+    fmt = model_format(path)
+    if fmt == "gguf":
+        return load_gguf_params(path, cfg, dtype)
+    if fmt == "hf":
+        return load_hf_params(path, cfg, dtype)
+    raise ValueError(f"{path}: host loading is for GGUF and HF sources, not {fmt}")
+
+
+def load_model(path: str | Path, dtype: str | None = None,
+               attention_backend: str = "reference") -> Llama:
+    """Load weights from any supported source onto the default device."""
+    jdtype = resolve_dtype(dtype)
+    start = time.perf_counter()
+    cfg = load_config(path)
+    if model_format(path) == "orbax":
+        params = checkpoint.load_checkpoint_params(path, cfg, jdtype)  # already on device
+    else:
+        params = load_host_params(path, cfg, jdtype)
+    model = build_model(cfg, params, jdtype, attention_backend)
+    jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+    logger.info("Loaded %s (%s, %s) in %.2fs", path, cfg.architecture,
+                jnp.dtype(jdtype).name, time.perf_counter() - start)
+    return model
+

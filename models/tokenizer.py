@@ -1,0 +1,426 @@
+"""Text <-> token ids, from any of the three places a model keeps its tokenizer.
+
+- a directory with `tokenizer.json`: the HF `tokenizers` library runs it as is;
+- a directory with only `tokenizer.model`: the sentencepiece processor runs it;
+- a GGUF file: we rebuild the tokenizer from the vocabulary llama.cpp stored in the metadata,
+  as a `tokenizers` pipeline, the same one transformers builds for `gguf_file=`.
+
+Whatever the source, `Tokenizer` adds BOS/EOS itself, from one pair of flags, so the rule that
+decides a prompt's first token is visible here rather than hidden in a post-processor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from functools import cache
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# llama.cpp token types (gguf.TokenType).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Special tokens that end an assistant turn. One of them counts as end-of-generation when the chat
+# template writes it, so a chat reply stops at the turn's end even where the model's declared EOS is
+# another token (Llama 3's EOS is <|end_of_text|>, its turns end with <|eot_id|>). `<|end|>` is left
+# out on purpose: gpt-oss writes it between the channels of one reply.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>",
+                      "<|END_OF_TURN_TOKEN|>")
+
+# Pre-tokenizer split regexes for byte-level vocabularies, by `tokenizer.ggml.pre`. A name not here
+# (gpt2, smollm, ...) gets the GPT-2 split built into `ByteLevel`, as in transformers. llama.cpp
+# additionally isolates every digit for smollm/starcoder ("\p{N}" first); transformers does not, and
+# we follow transformers so ids equal the reference's ("a   1": [a, ĠĠ, Ġ, 1], llama.cpp: [a, ĠĠĠ, 1]).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+BYTE_LEVEL_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3",
+                     "pixtral"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+    **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O_SPLIT),
+}
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+class Tokenizer:
+    """One model's tokenizer. Build it with `Tokenizer.from_path`."""
+
+    def __init__(self, backend: _HFBackend | _SentencePieceBackend, *, source: str,
+                 bos_token_id: int | None = None, eos_token_id: int | None = None,
+                 pad_token_id: int | None = None, extra_eos_ids: Iterable[int] = (),
+                 add_bos_token: bool = False, add_eos_token: bool = False,
+                 chat_template: str | None = None):
+        self._backend = backend
+        self.source = source
+        self.vocab_size: int = backend.vocab_size
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.add_bos_token = add_bos_token and bos_token_id is not None
+        self.add_eos_token = add_eos_token and eos_token_id is not None
+        self.chat_template = chat_template
+        named = {i for i in (bos_token_id, eos_token_id, pad_token_id) if i is not None}
+        self.special_token_ids: frozenset[int] = frozenset(backend.special_ids | named)
+        self.eos_token_ids: frozenset[int] = self._end_of_generation_ids(extra_eos_ids)
+
+    def _end_of_generation_ids(self, extra_eos_ids: Iterable[int]) -> frozenset[int]:
+        # The rule: the declared EOS, the ids the model files list as extra EOS (generation_config,
+        # config.json, GGUF eot/eom), and any END_OF_TURN_TOKENS special token the chat template writes.
+        ids = {self.eos_token_id, *extra_eos_ids}
+        for text in END_OF_TURN_TOKENS:
+            i = self._backend.token_to_id(text)
+            if i is not None and i in self.special_token_ids and text in (self.chat_template or ""):
+                ids.add(i)
+        return frozenset(i for i in ids if i is not None)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({self.source!r}, vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
+                f"eos={self.eos_token!r}, add_bos_token={self.add_bos_token})")
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        if path.is_file() and path.suffix == ".gguf":
+            return cls.from_gguf(path)
+        if path.is_dir():
+            if (path / "tokenizer.json").is_file():
+                return cls._from_hf_dir(path)
+            if (path / "tokenizer.model").is_file():
+                return cls._from_sentencepiece_dir(path)
+        raise TokenizerError(
+            f"{path}: no tokenizer found (expected a .gguf file, or a directory containing "
+            f"tokenizer.json or tokenizer.model)")
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        from models.gguf_file import read_metadata
+
+        meta = read_metadata(path)
+        kind = meta.get("tokenizer.ggml.model")
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise TokenizerError(f"{path}: GGUF file has no tokenizer.ggml.tokens")
+        types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        merges = meta.get("tokenizer.ggml.merges")
+        if kind == "gpt2":
+            hf = _byte_level_bpe(tokens, types, merges, meta.get("tokenizer.ggml.pre"))
+        elif kind == "llama":
+            hf = _sentencepiece_bpe(tokens, types, merges, meta.get("tokenizer.ggml.scores"),
+                                    meta.get("tokenizer.ggml.unknown_token_id"),
+                                    meta.get("tokenizer.ggml.add_space_prefix", True))
+        else:
+            raise TokenizerError(f"{path}: unsupported GGUF tokenizer model {kind!r} "
+                                 "(supported: 'gpt2', 'llama')")
+        extra_eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+        return cls(_HFBackend(hf), source=str(path),
+                   bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+                   eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+                   pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+                   extra_eos_ids=[i for i in extra_eos if i is not None],
+                   # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
+                   add_bos_token=meta.get("tokenizer.ggml.add_bos_token", kind == "llama"),
+                   add_eos_token=meta.get("tokenizer.ggml.add_eos_token", False),
+                   chat_template=meta.get("tokenizer.chat_template"))
+
+    @classmethod
+    def _from_hf_dir(cls, path: Path) -> Tokenizer:
+        try:
+            hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:
+            raise TokenizerError(f"{path / 'tokenizer.json'}: cannot load ({e})") from e
+        backend = _HFBackend(hf)
+        cfg = _DirConfig(path, backend.token_to_id)
+        bos, eos = cfg.token_id("bos_token", "bos_token_id"), cfg.token_id("eos_token", None)
+        eos = eos if eos is not None else next(iter(cfg.eos_ids), None)
+        # Without explicit flags, do what tokenizer.json's post-processor does (transformers too).
+        probe = hf.encode("", add_special_tokens=True).ids
+        add_bos = cfg.tokenizer.get("add_bos_token", bool(probe) and probe[0] == bos)
+        add_eos = cfg.tokenizer.get("add_eos_token", bool(probe) and probe[-1] == eos
+                                    and not (len(probe) == 1 and add_bos))
+        return cls(backend, source=str(path), bos_token_id=bos, eos_token_id=eos,
+                   pad_token_id=cfg.token_id("pad_token", "pad_token_id"),
+                   extra_eos_ids=cfg.eos_ids, add_bos_token=add_bos, add_eos_token=add_eos,
+                   chat_template=cfg.chat_template)
+
+    @classmethod
+    def _from_sentencepiece_dir(cls, path: Path) -> Tokenizer:
+        import sentencepiece
+
+        try:
+            sp = sentencepiece.SentencePieceProcessor(model_file=str(path / "tokenizer.model"))
+        except Exception as e:
+            raise TokenizerError(f"{path / 'tokenizer.model'}: cannot load ({e})") from e
+        backend = _SentencePieceBackend(sp)
+        cfg = _DirConfig(path, backend.token_to_id)
+        bos, eos = cfg.token_id("bos_token", None), cfg.token_id("eos_token", None)
+        bos = bos if bos is not None else _non_negative(sp.bos_id())
+        eos = eos if eos is not None else _non_negative(sp.eos_id())
+        return cls(backend, source=str(path), bos_token_id=bos, eos_token_id=eos,
+                   pad_token_id=cfg.token_id("pad_token", "pad_token_id"),
+                   extra_eos_ids=cfg.eos_ids,
+                   add_bos_token=cfg.tokenizer.get("add_bos_token", True),  # Llama's default
+                   add_eos_token=cfg.tokenizer.get("add_eos_token", False),
+                   chat_template=cfg.chat_template)
+
+    # -- use ------------------------------------------------------------------------------------
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_token_id is None else self.id_to_token(self.eos_token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Special tokens written in `text` (like `<|im_start|>`) become their ids, as in
+        transformers; `add_special_tokens` only decides the BOS/EOS added around the text."""
+        ids = self._backend.encode(text)
+        if add_special_tokens:
+            if self.add_bos_token:
+                ids = [self.bos_token_id, *ids]
+            if self.add_eos_token:
+                ids.append(self.eos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str:
+        token = self._backend.id_to_token(int(i))
+        if token is None:
+            raise TokenizerError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
+        return token
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return [self.id_to_token(i) for i in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+
+def _non_negative(i: int) -> int | None:
+    return i if i >= 0 else None
+
+
+# -- backends: encode without BOS/EOS, decode, look tokens up ------------------------------------
+
+
+class _HFBackend:
+    def __init__(self, hf: HFTokenizer):
+        self.hf = hf
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(
+            i for i, t in hf.get_added_tokens_decoder().items() if t.special)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.hf.id_to_token(i)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.hf.token_to_id(token)
+
+
+class _SentencePieceBackend:
+    """The processor itself, so its normalizer (often NFKC) applies exactly. It never parses
+    special tokens out of text, so we split the text on them first; every text piece then gets
+    sentencepiece's dummy-prefix space, as llama.cpp does after a special token."""
+
+    def __init__(self, sp):
+        self.sp = sp
+        self.vocab_size = sp.get_piece_size()
+        self.special_ids = frozenset(i for i in range(self.vocab_size)
+                                     if sp.is_control(i) or sp.is_unknown(i))
+        specials = sorted((sp.id_to_piece(i) for i in self.special_ids), key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
+
+    def encode(self, text: str) -> list[int]:
+        if self._split is None:
+            return self.sp.encode(text)
+        ids: list[int] = []
+        for n, piece in enumerate(self._split.split(text)):
+            if n % 2:  # a captured special token
+                ids.append(self.sp.piece_to_id(piece))
+            elif piece:
+                ids.extend(self.sp.encode(piece))
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        if skip_special_tokens:
+            return self.sp.decode([i for i in ids if i not in self.special_ids])
+        parts, run = [], []
+        for i in ids:
+            if i in self.special_ids:
+                parts += [self.sp.decode(run), self.sp.id_to_piece(i)]
+                run = []
+            else:
+                run.append(i)
+        return "".join([*parts, self.sp.decode(run)])
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.sp.id_to_piece(i) if 0 <= i < self.vocab_size else None
+
+    def token_to_id(self, token: str) -> int | None:
+        i = self.sp.piece_to_id(token)
+        # piece_to_id answers unk for an unknown piece; only the unk piece itself maps there.
+        return i if self.sp.id_to_piece(i) == token else None
+
+
+class _DirConfig:
+    """tokenizer_config.json, generation_config.json, config.json and chat_template.jinja of a
+    HF model directory: what decides BOS/EOS and the chat template."""
+
+    def __init__(self, path: Path, token_to_id):
+        self.tokenizer = _read_json(path / "tokenizer_config.json")
+        self.model = _read_json(path / "config.json")
+        self.generation = _read_json(path / "generation_config.json")
+        self._token_to_id = token_to_id
+        eos: list[int] = []
+        for cfg in (self.generation, self.model):
+            value = cfg.get("eos_token_id")
+            eos += value if isinstance(value, list) else [] if value is None else [value]
+        self.eos_ids = tuple(dict.fromkeys(eos))
+        jinja = path / "chat_template.jinja"  # where transformers >= 4.50 saves it
+        template = (jinja.read_text(encoding="utf-8") if jinja.is_file()
+                    else self.tokenizer.get("chat_template"))
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default")
+        self.chat_template = template
+
+    def token_id(self, name: str, model_key: str | None) -> int | None:
+        token = self.tokenizer.get(name)
+        if isinstance(token, dict):  # serialized AddedToken
+            token = token.get("content")
+        if isinstance(token, str) and (i := self._token_to_id(token)) is not None:
+            return i
+        return self.model.get(model_key) if model_key else None
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"{path}: cannot read ({e})") from e
+
+
+# -- GGUF vocabularies -> tokenizers pipelines ---------------------------------------------------
+
+
+@cache
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte: printable Latin-1 bytes stand for themselves, the
+    rest take the code points from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    spelling, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in spelling:
+            spelling[b] = chr(256 + extra)
+            extra += 1
+    return spelling
+
+
+def _add_vocab_tokens(hf: HFTokenizer, tokens: list[str], types: list[int],
+                      special_types: tuple[int, ...]) -> None:
+    # Control tokens (and unk) are special: skipped by decode(skip_special_tokens=True). Both they
+    # and user-defined tokens are matched whole in the text, never cut by BPE. They are already in
+    # the model vocabulary, so they keep their ids.
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, k in zip(tokens, types) if k in special_types])
+    hf.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t, k in zip(tokens, types) if k == USER_DEFINED])
+
+
+def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str] | None,
+                    pre: str | None) -> HFTokenizer:
+    if merges is None:
+        raise TokenizerError("byte-level ('gpt2') GGUF vocabulary without tokenizer.ggml.merges")
+    spelling = byte_alphabet()
+    alphabet = set(spelling.values())
+    vocab: dict[str, int] = {}
+    for i, (token, kind) in enumerate(zip(tokens, types)):
+        # A few converters store a plain token in raw UTF-8; BPE knows it by its byte spelling.
+        # Control/user-defined tokens keep their text, which is what they match in the input.
+        if kind not in (CONTROL, USER_DEFINED) and not set(token) <= alphabet:
+            token = "".join(spelling[b] for b in token.encode("utf-8"))
+        vocab.setdefault(token, i)
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    hf = HFTokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+    split = BYTE_LEVEL_SPLITS.get(pre)
+    if split is None:
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    _add_vocab_tokens(hf, tokens, types, (CONTROL,))
+    return hf
+
+
+def _sentencepiece_bpe(tokens: list[str], types: list[int], merges: list[str] | None,
+                       scores: list[float] | None, unk_id: int | None,
+                       add_space_prefix: bool) -> HFTokenizer:
+    """SentencePiece BPE as llama.cpp stores it (Llama 2, Mistral): '▁' for space, <0xNN> tokens
+    for bytes outside the vocabulary, and scores instead of merges."""
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)
+    if merges is not None:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    elif scores is not None:
+        pairs = merges_from_scores(tokens, types, scores)
+    else:
+        raise TokenizerError("sentencepiece ('llama') GGUF vocabulary with neither merges nor scores")
+    unk = tokens[unk_id] if unk_id is not None else None
+    hf = HFTokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    # Like sentencepiece's dummy prefix: a space before every piece of text, even one that starts
+    # with a space ("  hi" -> "▁▁▁hi"), which the Metaspace pre-tokenizer would not do.
+    replace = normalizers.Replace(" ", "▁")
+    hf.normalizer = (normalizers.Sequence([normalizers.Prepend("▁"), replace])
+                     if add_space_prefix else replace)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    hf.decoder = decoders.Sequence(steps)
+    _add_vocab_tokens(hf, tokens, types, (CONTROL, UNKNOWN))
+    return hf
+
+
+def merges_from_scores(tokens: list[str], types: list[int],
+                       scores: list[float]) -> list[tuple[str, str]]:
+    """The merges a sentencepiece BPE vocabulary implies. Sentencepiece joins the adjacent pair
+    whose concatenation is the best-scoring piece; BPE applies the lowest-ranked merge first. So
+    every split of a piece into two pieces becomes a merge, ranked by the piece's score."""
+    pieces = {t: i for i, (t, k) in enumerate(zip(tokens, types)) if k in (NORMAL, USER_DEFINED)}
+    ranked = []
+    for token, i in pieces.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in pieces and right in pieces:
+                ranked.append((-scores[i], i, cut, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]

@@ -1,0 +1,27 @@
+"""Convert a GGUF file or HF directory into an xlaserve Orbax checkpoint (fast reloads).
+
+Usage: python scripts/convert.py SRC DST [--dtype float32|bfloat16]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.convert import convert  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("src", help="GGUF file or HF model directory")
+    parser.add_argument("dst", help="output checkpoint directory")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    convert(args.src, args.dst, args.dtype)
+    print(args.dst)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
