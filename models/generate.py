@@ -81,3 +81,52 @@ class GreedyDecoder:
             if i + 1 < max_new_tokens:
                 logits, cache = self.run(cache, [token], len(prompt) + i)
         return out, np.stack(steps)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    from models.chat_template import ChatTemplate
+    from models.default_model import fetch_default_model
+    from models.detokenizer import IncrementalDetokenizer
+    from models.loader import load_model
+    from models.tokenizer import Tokenizer
+
+    parser = argparse.ArgumentParser(prog="python -m models.generate",
+                                     description="Greedy generation with one model.")
+    parser.add_argument("prompt")
+    parser.add_argument("--model", help="GGUF file, HF directory or Orbax checkpoint "
+                                        "(default: SmolLM2-135M-Instruct, fetched if missing)")
+    parser.add_argument("--raw", action="store_true", help="no chat template")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    args = parser.parse_args(argv)
+
+    path = args.model or fetch_default_model()
+    tokenizer = Tokenizer.from_path(path)
+    if args.raw or not tokenizer.chat_template:
+        ids = tokenizer.encode(args.prompt)
+    else:
+        text = ChatTemplate.for_tokenizer(tokenizer).render(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    decoder = GreedyDecoder(load_model(path, dtype=args.dtype),
+                            max_len=len(ids) + args.max_tokens)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=ids)
+    cache = decoder.new_cache()
+    logits, cache = decoder.run(cache, ids, 0)
+    for i in range(args.max_tokens):
+        token = int(np.argmax(logits))
+        if token in tokenizer.eos_token_ids:
+            break
+        sys.stdout.write(detok.add(token))
+        sys.stdout.flush()
+        if i + 1 < args.max_tokens:
+            logits, cache = decoder.run(cache, [token], len(ids) + i)
+    sys.stdout.write(detok.flush() + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

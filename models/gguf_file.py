@@ -11,17 +11,45 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 
 
 class GGUFError(ValueError):
     pass
 
 
-@lru_cache(maxsize=4)
+class _Reader(gguf.GGUFReader):
+    """The gguf package's reader, with truncated tensor data reported by tensor name."""
+
+    def _build_tensors(self, start_offs: int, fields) -> None:
+        try:
+            super()._build_tensors(start_offs, fields)
+        except Exception as e:
+            size = len(self.data)
+            for field in fields:
+                _, name, _, dims, raw_type, offset = field.parts
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_type[0])]
+                end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block
+                if end > size:
+                    raise GGUFError(
+                        f"tensor {bytes(name).decode()!r} ends at byte {end} but the file has "
+                        f"{size} bytes (truncated?)") from e
+            raise
+
+
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    path = str(path)
+    """A memory-mapped reader, cached per (path, mtime, size)."""
     try:
-        return gguf.GGUFReader(path, "r")
+        st = Path(path).stat()
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot open ({e.strerror})") from e
+    return _open(str(path), st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=4)
+def _open(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+    try:
+        return _Reader(path, "r")
     except Exception as e:  # the reader raises assorted errors on a bad file
         raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
 

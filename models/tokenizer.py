@@ -2,8 +2,9 @@
 
 - a directory with `tokenizer.json`: the HF `tokenizers` library runs it as is;
 - a directory with only `tokenizer.model`: the sentencepiece processor runs it;
-- a GGUF file: we rebuild the tokenizer from the vocabulary llama.cpp stored in the metadata,
-  as a `tokenizers` pipeline, the same one transformers builds for `gguf_file=`.
+- a GGUF file: we rebuild the tokenizer from the vocabulary llama.cpp stored in the metadata, as a
+  `tokenizers` pipeline. A byte-level ('gpt2') vocabulary gives the ids transformers gives for
+  `gguf_file=`; a sentencepiece ('llama') one gives the ids of sentencepiece itself.
 
 Whatever the source, `Tokenizer` adds BOS/EOS itself, from one pair of flags, so the rule that
 decides a prompt's first token is visible here rather than hidden in a post-processor.
@@ -20,6 +21,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from models.gguf_file import read_metadata
+
 # llama.cpp token types (gguf.TokenType).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -32,8 +35,9 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>",
 
 # Pre-tokenizer split regexes for byte-level vocabularies, by `tokenizer.ggml.pre`. A name not here
 # (gpt2, smollm, ...) gets the GPT-2 split built into `ByteLevel`, as in transformers. llama.cpp
-# additionally isolates every digit for smollm/starcoder ("\p{N}" first); transformers does not, and
-# we follow transformers so ids equal the reference's ("a   1": [a, ĠĠ, Ġ, 1], llama.cpp: [a, ĠĠĠ, 1]).
+# also isolates every digit first for smollm/starcoder ("\p{N}"); transformers does not, and we
+# follow transformers so our ids equal the reference's: "a   1" is [a, ĠĠ, Ġ, 1] here and in
+# transformers, [a, ĠĠĠ, 1] in llama.cpp.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -78,7 +82,8 @@ class Tokenizer:
 
     def _end_of_generation_ids(self, extra_eos_ids: Iterable[int]) -> frozenset[int]:
         # The rule: the declared EOS, the ids the model files list as extra EOS (generation_config,
-        # config.json, GGUF eot/eom), and any END_OF_TURN_TOKENS special token the chat template writes.
+        # config.json, GGUF eot/eom), and each END_OF_TURN_TOKENS special token the chat template
+        # writes.
         ids = {self.eos_token_id, *extra_eos_ids}
         for text in END_OF_TURN_TOKENS:
             i = self._backend.token_to_id(text)
@@ -108,19 +113,21 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        from models.gguf_file import read_metadata
-
         meta = read_metadata(path)
         kind = meta.get("tokenizer.ggml.model")
         tokens = meta.get("tokenizer.ggml.tokens")
         if tokens is None:
             raise TokenizerError(f"{path}: GGUF file has no tokenizer.ggml.tokens")
         types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        scores = meta.get("tokenizer.ggml.scores")
+        if len(types) != len(tokens) or (scores is not None and len(scores) != len(tokens)):
+            raise TokenizerError(f"{path}: {len(tokens)} tokens but {len(types)} token types and "
+                                 f"{len(scores or ())} scores")
         merges = meta.get("tokenizer.ggml.merges")
         if kind == "gpt2":
             hf = _byte_level_bpe(tokens, types, merges, meta.get("tokenizer.ggml.pre"))
         elif kind == "llama":
-            hf = _sentencepiece_bpe(tokens, types, merges, meta.get("tokenizer.ggml.scores"),
+            hf = _sentencepiece_bpe(tokens, types, merges, scores,
                                     meta.get("tokenizer.ggml.unknown_token_id"),
                                     meta.get("tokenizer.ggml.add_space_prefix", True))
         else:
@@ -149,9 +156,10 @@ class Tokenizer:
         eos = eos if eos is not None else next(iter(cfg.eos_ids), None)
         # Without explicit flags, do what tokenizer.json's post-processor does (transformers too).
         probe = hf.encode("", add_special_tokens=True).ids
-        add_bos = cfg.tokenizer.get("add_bos_token", bool(probe) and probe[0] == bos)
-        add_eos = cfg.tokenizer.get("add_eos_token", bool(probe) and probe[-1] == eos
-                                    and not (len(probe) == 1 and add_bos))
+        adds_bos = probe[:1] == [bos]
+        adds_eos = len(probe) > adds_bos and probe[-1] == eos
+        add_bos = cfg.tokenizer.get("add_bos_token", adds_bos)
+        add_eos = cfg.tokenizer.get("add_eos_token", adds_eos)
         return cls(backend, source=str(path), bos_token_id=bos, eos_token_id=eos,
                    pad_token_id=cfg.token_id("pad_token", "pad_token_id"),
                    extra_eos_ids=cfg.eos_ids, add_bos_token=add_bos, add_eos_token=add_eos,
@@ -165,7 +173,15 @@ class Tokenizer:
             sp = sentencepiece.SentencePieceProcessor(model_file=str(path / "tokenizer.model"))
         except Exception as e:
             raise TokenizerError(f"{path / 'tokenizer.model'}: cannot load ({e})") from e
-        backend = _SentencePieceBackend(sp)
+        added = _read_json(path / "tokenizer_config.json").get("added_tokens_decoder", {})
+        added_ids = {int(i) for i in added}
+        added_ids |= set(_read_json(path / "added_tokens.json").values())
+        if beyond := sorted(i for i in added_ids if i >= sp.get_piece_size()):
+            raise TokenizerError(
+                f"{path}: added tokens {beyond[:5]} lie beyond tokenizer.model's vocabulary "
+                f"({sp.get_piece_size()}); only a tokenizer.json can describe them")
+        # HF may call a piece special that sentencepiece calls user-defined (Gemma's turn markers).
+        backend = _SentencePieceBackend(sp, {int(i) for i, t in added.items() if t.get("special")})
         cfg = _DirConfig(path, backend.token_to_id)
         bos, eos = cfg.token_id("bos_token", None), cfg.token_id("eos_token", None)
         bos = bos if bos is not None else _non_negative(sp.bos_id())
@@ -213,6 +229,27 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Writes tokenizer files that `from_path(directory)` reads back as this same tokenizer:
+        tokenizer.json or tokenizer.model, tokenizer_config.json (special tokens, BOS/EOS flags),
+        chat_template.jinja, and the EOS ids in generation_config.json (merged into one there)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = self._backend.save(directory)
+        for name, i in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id),
+                        ("pad_token", self.pad_token_id)):
+            if i is not None:
+                config[name] = self.id_to_token(i)
+        config.update(add_bos_token=self.add_bos_token, add_eos_token=self.add_eos_token)
+        _write_json(directory / "tokenizer_config.json", config)
+        if self.chat_template:
+            (directory / "chat_template.jinja").write_text(self.chat_template, encoding="utf-8")
+        generation = _read_json(directory / "generation_config.json")
+        others = sorted(self.eos_token_ids - {self.eos_token_id})
+        generation["eos_token_id"] = [i for i in (self.eos_token_id, *others) if i is not None]
+        _write_json(directory / "generation_config.json", generation)
+        return directory
+
 
 def _non_negative(i: int) -> int | None:
     return i if i >= 0 else None
@@ -240,19 +277,25 @@ class _HFBackend:
     def token_to_id(self, token: str) -> int | None:
         return self.hf.token_to_id(token)
 
+    def save(self, directory: Path) -> dict:
+        self.hf.save(str(directory / "tokenizer.json"))
+        return {"tokenizer_class": "PreTrainedTokenizerFast"}
+
 
 class _SentencePieceBackend:
     """The processor itself, so its normalizer (often NFKC) applies exactly. It never parses
     special tokens out of text, so we split the text on them first; every text piece then gets
     sentencepiece's dummy-prefix space, as llama.cpp does after a special token."""
 
-    def __init__(self, sp):
+    def __init__(self, sp, extra_special_ids: Iterable[int] = ()):
         self.sp = sp
         self.vocab_size = sp.get_piece_size()
         self.special_ids = frozenset(i for i in range(self.vocab_size)
-                                     if sp.is_control(i) or sp.is_unknown(i))
+                                     if sp.is_control(i) or sp.is_unknown(i)).union(
+                                         extra_special_ids)
         specials = sorted((sp.id_to_piece(i) for i in self.special_ids), key=len, reverse=True)
-        self._split = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
+        self._split = (re.compile("(" + "|".join(map(re.escape, specials)) + ")")
+                       if specials else None)
 
     def encode(self, text: str) -> list[int]:
         if self._split is None:
@@ -285,6 +328,13 @@ class _SentencePieceBackend:
         # piece_to_id answers unk for an unknown piece; only the unk piece itself maps there.
         return i if self.sp.id_to_piece(i) == token else None
 
+    def save(self, directory: Path) -> dict:
+        (directory / "tokenizer.model").write_bytes(self.sp.serialized_model_proto())
+        extra = sorted(i for i in self.special_ids
+                       if not (self.sp.is_control(i) or self.sp.is_unknown(i)))
+        return {"added_tokens_decoder": {
+            str(i): {"content": self.sp.id_to_piece(i), "special": True} for i in extra}}
+
 
 class _DirConfig:
     """tokenizer_config.json, generation_config.json, config.json and chat_template.jinja of a
@@ -315,6 +365,10 @@ class _DirConfig:
         if isinstance(token, str) and (i := self._token_to_id(token)) is not None:
             return i
         return self.model.get(model_key) if model_key else None
+
+
+def _write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _read_json(path: Path) -> dict:
@@ -349,9 +403,9 @@ def _add_vocab_tokens(hf: HFTokenizer, tokens: list[str], types: list[int],
     # and user-defined tokens are matched whole in the text, never cut by BPE. They are already in
     # the model vocabulary, so they keep their ids.
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                           for t, k in zip(tokens, types) if k in special_types])
+                           for t, k in zip(tokens, types, strict=True) if k in special_types])
     hf.add_tokens([AddedToken(t, special=False, normalized=False)
-                   for t, k in zip(tokens, types) if k == USER_DEFINED])
+                   for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED])
 
 
 def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str] | None,
@@ -361,7 +415,7 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str] | Non
     spelling = byte_alphabet()
     alphabet = set(spelling.values())
     vocab: dict[str, int] = {}
-    for i, (token, kind) in enumerate(zip(tokens, types)):
+    for i, (token, kind) in enumerate(zip(tokens, types, strict=True)):
         # A few converters store a plain token in raw UTF-8; BPE knows it by its byte spelling.
         # Control/user-defined tokens keep their text, which is what they match in the input.
         if kind not in (CONTROL, USER_DEFINED) and not set(token) <= alphabet:
@@ -394,7 +448,7 @@ def _sentencepiece_bpe(tokens: list[str], types: list[int], merges: list[str] | 
     elif scores is not None:
         pairs = merges_from_scores(tokens, types, scores)
     else:
-        raise TokenizerError("sentencepiece ('llama') GGUF vocabulary with neither merges nor scores")
+        raise TokenizerError("sentencepiece ('llama') GGUF vocabulary without merges or scores")
     unk = tokens[unk_id] if unk_id is not None else None
     hf = HFTokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
     # Like sentencepiece's dummy prefix: a space before every piece of text, even one that starts
@@ -415,7 +469,8 @@ def merges_from_scores(tokens: list[str], types: list[int],
     """The merges a sentencepiece BPE vocabulary implies. Sentencepiece joins the adjacent pair
     whose concatenation is the best-scoring piece; BPE applies the lowest-ranked merge first. So
     every split of a piece into two pieces becomes a merge, ranked by the piece's score."""
-    pieces = {t: i for i, (t, k) in enumerate(zip(tokens, types)) if k in (NORMAL, USER_DEFINED)}
+    pieces = {t: i for i, (t, k) in enumerate(zip(tokens, types, strict=True))
+              if k in (NORMAL, USER_DEFINED)}
     ranked = []
     for token, i in pieces.items():
         for cut in range(1, len(token)):

@@ -1,8 +1,9 @@
 """Our tokenizers against their references: transformers for the default GGUF and for
-tokenizer.json, the sentencepiece processor for tokenizer.model and for a GGUF 'llama' vocabulary."""
+tokenizer.json; the sentencepiece processor for tokenizer.model and a GGUF 'llama' vocabulary."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -23,7 +24,8 @@ FIXED = [
     "café naïve résumé façade Ångström", "e\u0301 (e + combining acute), n\u0303, a\u030a\u0301",
     "Straße, Œuvre, Ærø, İstanbul, ǅ", "Ελληνικά κείμενα", "Русский текст, ёлка",
     "עברית מימין לשמאל", "العربية: مرحبا بالعالم", "mixed LTR עברית and العربية", "हिन्दी भाषा",
-    "ภาษาไทย", "Tiếng Việt có dấu", "日本語のテキストです。", "中文文本，标点符号。", "한국어 텍스트",
+    "ภาษาไทย", "Tiếng Việt có dấu", "日本語のテキストです。", "中文文本，标点符号。",
+    "한국어 텍스트",
     "全角ＡＢＣ１２３", "😀", "👍🏽", "👨‍👩‍👧‍👦 family", "🏳️‍🌈 flag", "🇫🇷🇯🇵🇺🇸 flags",
     "emoji in text 🎉 party 🥳!", "🤖🤖🤖", "math: ∀x ∈ ℝ, x² ≥ 0; ∑ᵢ aᵢ ≈ π", "½ ¼ ² ³ ٣ ૩ Ⅻ",
     "arrows → ← ↔ ⇒ and box ┌─┐", "zero\u200bwidth\u200cjoin\u200d", "\u00a0nbsp\u2003em space",
@@ -94,7 +96,7 @@ def test_default_model_special_tokens(ours, theirs):
     assert (ours.bos_token, ours.eos_token) == ("<|im_start|>", "<|im_end|>")
     assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (1, 2, 2)
     assert ours.add_bos_token is False
-    # <|im_end|> is both the EOS and the template's end of turn; <|endoftext|> is not in the template.
+    # <|im_end|> is both the EOS and the template's end of turn; the template has no <|endoftext|>.
     assert ours.eos_token_ids == {2}
     assert ours.special_token_ids == set(range(17))
     assert ours.encode("<|im_start|>user<|im_end|>") == [1, 4093, 2]
@@ -122,8 +124,6 @@ def test_tokenizer_json_directory_equals_transformers(ours, theirs, tmp_path):
 def test_tokenizer_json_directory_reads_bos_and_eos_config(theirs, tmp_path):
     theirs.save_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 0]}')
-    import json
-
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
     cfg["add_bos_token"] = True
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -131,6 +131,25 @@ def test_tokenizer_json_directory_reads_bos_and_eos_config(theirs, tmp_path):
     assert tok.encode("hi") == [1, *theirs.encode("hi")]
     assert tok.encode("hi", add_special_tokens=False) == theirs.encode("hi")
     assert tok.eos_token_ids == {0, 2}
+
+
+def _assert_same(a: Tokenizer, b: Tokenizer, strings) -> None:
+    for name in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "eos_token_ids",
+                 "add_bos_token", "add_eos_token", "chat_template", "special_token_ids"):
+        assert getattr(a, name) == getattr(b, name), name
+    for s in strings:
+        assert a.encode(s) == b.encode(s), s
+        assert a.decode(a.encode(s)) == b.decode(a.encode(s)), s
+
+
+def test_save_pretrained_round_trips(ours, theirs, tmp_path):
+    ours.save_pretrained(tmp_path)
+    _assert_same(Tokenizer.from_path(tmp_path), ours, STRINGS)
+    # transformers reads the saved files as the same tokenizer too.
+    transformers = pytest.importorskip("transformers")
+    reloaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for s in STRINGS[::10]:
+        assert reloaded.encode(s) == theirs.encode(s)
 
 
 # -- sentencepiece: tokenizer.model and GGUF 'llama' --------------------------------------------
@@ -185,6 +204,25 @@ def test_tokenizer_model_directory_equals_sentencepiece(sp_model, tmp_path):
     # Special tokens written in the text are matched, as in transformers and llama.cpp.
     assert tok.encode("<s>hi</s>", add_special_tokens=False) == [1, *sp.encode("hi"), 2]
     assert tok.decode([1, *sp.encode("hi"), 2]) == "<s>hi</s>"
+    tok.save_pretrained(tmp_path / "saved")
+    _assert_same(Tokenizer.from_path(tmp_path / "saved"), tok, _sp_strings())
+
+
+def test_tokenizer_model_directory_added_tokens(sp_model, tmp_path):
+    model_file, sp = sp_model
+    (tmp_path / "tokenizer.model").write_bytes(model_file.read_bytes())
+    hello = sp.piece_to_id("▁hello")
+    added = {str(hello): {"content": "▁hello", "special": True}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": added}))
+    tok = Tokenizer.from_path(tmp_path)
+    assert hello in tok.special_token_ids
+    assert tok.decode(sp.encode("hello world"), skip_special_tokens=True) == "world"
+    added["400"] = {"content": "<|extra|>", "special": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": added}))
+    tok.save_pretrained(tmp_path / "saved")
+    _assert_same(Tokenizer.from_path(tmp_path / "saved"), tok, ["hello world"])
+    with pytest.raises(TokenizerError, match="beyond tokenizer.model's vocabulary"):
+        Tokenizer.from_path(tmp_path)
 
 
 def _write_llama_gguf(path, sp, **overrides):
@@ -225,6 +263,8 @@ def test_gguf_llama_vocabulary_equals_sentencepiece(sp_model, tmp_path):
         assert tok.decode(sp.encode(s)) == sp.decode(sp.encode(s)), s
     assert tok.encode("hi</s>", add_special_tokens=False) == [*sp.encode("hi"), 2]
     assert tok.decode([1, *sp.encode("hi")], skip_special_tokens=True) == "hi"
+    tok.save_pretrained(tmp_path / "saved")
+    _assert_same(Tokenizer.from_path(tmp_path / "saved"), tok, _sp_strings())
 
 
 def test_gguf_llama_vocabulary_flags(sp_model, tmp_path):

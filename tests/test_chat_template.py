@@ -1,0 +1,138 @@
+"""Chat templates render exactly as transformers' apply_chat_template(tokenize=False) does."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from models.chat_template import ChatTemplate
+from models.tokenizer import Tokenizer
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+def _user(text):
+    return {"role": "user", "content": text}
+
+
+def _assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+CONVERSATIONS = [
+    ([_user("Hi")], True),
+    ([_user("Hi")], False),
+    ([SYSTEM, _user("What is 2+2?")], True),
+    ([SYSTEM, _user("What is 2+2?"), _assistant("4"), _user("And 3+3?")], True),
+    ([_user("Tell me a joke."), _assistant("Why did the chicken..."), _user("Go on.")], False),
+    ([_user("Traduis : 日本語のテキスト, עברית, العربية 👨‍👩‍👧 café e\u0301")], True),
+    ([_user("")], True),
+    ([SYSTEM, _user("Name a colour."), _assistant("Blue.")], False),
+    ([_user("Literal <|im_start|> and <|im_end|> and {{ braces }} {% raw %}\n\n  indented")],
+     True),
+    ([SYSTEM] + [m for i in range(4) for m in (_user(f"turn {i} 🤖"),
+                                                _assistant(f"reply {i}\nwith lines"))], False),
+]
+
+
+@pytest.fixture(scope="module")
+def ours(default_gguf):
+    return ChatTemplate.for_tokenizer(Tokenizer.from_path(default_gguf))
+
+
+@pytest.fixture(scope="module")
+def theirs(default_gguf):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(default_gguf.parent),
+                                                      gguf_file=default_gguf.name)
+
+
+@pytest.mark.parametrize("messages,add_generation_prompt", CONVERSATIONS)
+def test_default_template_equals_transformers(ours, theirs, messages, add_generation_prompt):
+    expected = theirs.apply_chat_template(messages, tokenize=False,
+                                          add_generation_prompt=add_generation_prompt)
+    assert ours.render(messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+def test_default_template_output(ours):
+    assert ours.render([_user("Hi")], add_generation_prompt=True) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+# Exercises what transformers adds to Jinja: tojson (non-ASCII kept, indent), loop controls,
+# raise_exception, strftime_now, whitespace control, bos/eos variables, extra variables.
+FEATURE_TEMPLATE = """{{ bos_token }}
+{% for m in messages %}
+    {% if m.role == 'stop' %}{% break %}{% endif %}
+    {% if m.role == 'skip' %}{% continue %}{% endif %}
+    [{{ m.role }}] {{ m.content | tojson }} {{ m | tojson(indent=2) }}
+{% endfor %}
+{% if tools %}{{ tools | tojson(sort_keys=true) }}{% endif %}
+{% if enable_thinking is defined and not enable_thinking %}<no_think>{% endif %}
+{{ strftime_now('%Y') }}{% if add_generation_prompt %}<gen>{% endif %}{{ eos_token }}"""
+
+
+def test_template_features_equal_transformers(theirs):
+    ours = ChatTemplate(FEATURE_TEMPLATE, bos_token=theirs.bos_token, eos_token=theirs.eos_token)
+    messages = [_user("héllo \"quoted\" <b>&</b> 日本"), {"role": "skip", "content": "x"},
+                _assistant("ok"), {"role": "stop", "content": "y"}, _user("never")]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"b": 1, "a": "é"}}}]
+    kwargs = dict(add_generation_prompt=True, tools=tools, enable_thinking=False)
+    got = ours.render(messages, **kwargs)
+    assert got == theirs.apply_chat_template(messages, chat_template=FEATURE_TEMPLATE,
+                                             tokenize=False, **kwargs)
+    assert "\"héllo \\\"quoted\\\" <b>&</b> 日本\"" in got and "never" not in got
+    assert str(datetime.date.today().year) in got and "<no_think>" in got
+
+
+def test_broken_template_is_a_value_error():
+    with pytest.raises(ValueError, match="does not parse"):
+        ChatTemplate("{% for m in messages %}{{ m.content }}")
+    with pytest.raises(ValueError):
+        ChatTemplate("")
+    failing = ChatTemplate("{% if messages[0].role != 'user' %}"
+                           "{{ raise_exception('first message must be from the user') }}"
+                           "{% endif %}")
+    with pytest.raises(ValueError, match="first message must be from the user"):
+        failing.render([_assistant("hi")])
+    assert failing.render([_user("hi")]) == ""
+    with pytest.raises(ValueError, match="chat template failed"):
+        ChatTemplate("{{ messages[0].content + 1 }}").render([_user("x")])
+    with pytest.raises(ValueError, match="chat template failed"):
+        ChatTemplate("{{ undefined_thing.attr }}").render([_user("x")])
+
+
+def test_sandbox_blocks_mutation_and_internals():
+    with pytest.raises(ValueError, match="chat template failed"):
+        ChatTemplate("{% set l = [] %}{{ l.append(1) }}").render([_user("x")])
+    assert ChatTemplate("{{ messages.__class__ }}").render([_user("x")]) == ""
+
+
+@pytest.mark.parametrize("messages,match", [
+    ([{"content": "no role"}], "no 'role'"),
+    ([{"role": "user"}], "no 'content'"),
+    ([{"role": 3, "content": "x"}], "no 'role'"),
+    ([{"role": "user", "content": 3}], "must be a string"),
+    (["just a string"], "must be a dict"),
+    ("not a list", "must be a list"),
+    ([], "empty"),
+])
+def test_bad_messages_are_value_errors(ours, messages, match):
+    with pytest.raises(ValueError, match=match):
+        ours.render(messages)
+
+
+def test_tool_call_message_without_content_is_accepted():
+    template = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}")
+    messages = [_user("x"), {"role": "assistant", "tool_calls": [{"id": "1"}]}]
+    assert template.render(messages) == "user:x;assistant:;"
+
+
+def test_for_tokenizer_without_template(tmp_path):
+    class NoTemplate:
+        chat_template, source = None, "some/model"
+
+    with pytest.raises(ValueError, match="some/model"):
+        ChatTemplate.for_tokenizer(NoTemplate())
