@@ -36,6 +36,17 @@ def copy_bandwidth() -> float:
     return 2 * src.nbytes / best
 
 
+def matmul_rate() -> float:
+    """float32 FLOP/s of an XLA matmul at a decoder-like skinny shape (128 x 576 x 1536)."""
+    import jax.numpy as jnp
+
+    a, b = jnp.ones((128, 576), jnp.float32), jnp.ones((576, 1536), jnp.float32)
+    f = jax.jit(lambda a, b: (a @ b).sum())
+    f(a, b).block_until_ready()
+    best = min(_timed(lambda: f(a, b).block_until_ready()) for _ in range(50))
+    return 2 * 128 * 576 * 1536 / best
+
+
 def read_rate(path: Path) -> float:
     path.read_bytes()  # warm the page cache
     best = min(_timed(path.read_bytes) for _ in range(3))
@@ -67,6 +78,7 @@ def main() -> int:
            "model": path.name}
     res["copy_bandwidth_GBps"] = copy_bandwidth() / 1e9
     res["file_read_GBps"] = read_rate(path) / 1e9
+    res["matmul_f32_GFLOPs"] = matmul_rate() / 1e9
 
     start = time.perf_counter()
     model = load_model(path, dtype="float32")
@@ -92,6 +104,11 @@ def main() -> int:
         start = time.perf_counter()
         _, cache = decoder.run(cache, list(range(10, 10 + n)), 0)
         res[key.replace("compile", "run")] = time.perf_counter() - start
+
+    cfg = model.cfg
+    per_token = 2 * (nbytes // 4 - cfg.vocab_size * cfg.hidden_size)  # dense FLOPs, no attention
+    res["prefill128_dense_GFLOPs"] = 128 * per_token / res["run_prefill128_s"] / 1e9
+    res["prefill128_fraction_of_matmul"] = res["prefill128_dense_GFLOPs"] / res["matmul_f32_GFLOPs"]
 
     for k, v in res.items():
         print(f"{k:28s} {v:.3f}" if isinstance(v, float) else f"{k:28s} {v}")
