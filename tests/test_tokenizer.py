@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from models.tokenizer import CONTROL, NORMAL, Tokenizer, TokenizerError
+from models.gguf_vocab import CONTROL, NORMAL
+from models.tokenizer import Tokenizer, TokenizerError
 
 FIXED = [
     "", " ", "  ", "\n", "\t", "\r\n", "a", "Hello world", "Hello, world!", " leading space",
