@@ -44,6 +44,8 @@ def checkpoint_config(path: str | Path) -> tuple[ModelConfig, str]:
     fields = dict(meta["config"])
     if fields.get("rope_scaling"):
         fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    if fields.get("rope_freq_factors"):
+        fields["rope_freq_factors"] = tuple(fields["rope_freq_factors"])
     return ModelConfig(**fields), meta["dtype"]
 
 

@@ -39,6 +39,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     rope_scaling: RopeScaling | None = None
+    # Per-frequency divisors as llama.cpp stores them (`rope_freqs.weight`, Llama 3.1 GGUFs).
+    rope_freq_factors: tuple[float, ...] | None = None
     sliding_window: int | None = None
 
     def __post_init__(self):
@@ -51,6 +53,9 @@ class ModelConfig:
                              f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
+                             f"expected head_dim / 2 = {self.head_dim // 2}")
 
     @property
     def q_per_kv(self) -> int:
@@ -102,7 +107,8 @@ class ModelConfig:
             raise ValueError(f"{file}: missing key {e}") from None
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    def from_gguf_metadata(cls, meta: dict[str, Any], tensor_names: set[str],
+                           rope_freq_factors: tuple[float, ...] | None = None) -> ModelConfig:
         arch = meta.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
@@ -117,12 +123,9 @@ class ModelConfig:
         hidden = get("embedding_length")
         num_heads = get("attention.head_count")
         vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
-        scaling = None
-        if meta.get(f"{arch}.rope.scaling.type") == "llama3" or "rope_freqs.weight" in tensor_names:
-            # llama.cpp bakes Llama 3 scaling into a `rope_freqs` tensor; the original
-            # parameters are not in the metadata, so this is refused rather than guessed.
-            raise ValueError("GGUF files with baked Llama 3 rope_freqs are not supported yet; "
-                             "load the HF safetensors directory instead")
+        if meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
+            raise ValueError(f"unsupported GGUF rope scaling "
+                             f"{meta[f'{arch}.rope.scaling.type']!r}")
         return cls(
             architecture=GGUF_ARCHITECTURES[arch],
             vocab_size=int(vocab),
@@ -137,7 +140,7 @@ class ModelConfig:
             max_position_embeddings=get("context_length"),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
-            rope_scaling=scaling,
+            rope_freq_factors=rope_freq_factors,
             sliding_window=None,
         )
 

@@ -49,8 +49,12 @@ def hf_name(gguf_name: str) -> str | None:
 
 def gguf_config(path: str | Path) -> ModelConfig:
     reader = open_gguf(path)
+    names = {t.name: t for t in reader.tensors}
+    factors = None
+    if "rope_freqs.weight" in names:  # Llama 3.1 scaling, baked by llama.cpp's converter
+        factors = tuple(float(x) for x in np.asarray(names["rope_freqs.weight"].data, np.float32))
     try:
-        return ModelConfig.from_gguf_metadata(read_metadata(path), {t.name for t in reader.tensors})
+        return ModelConfig.from_gguf_metadata(read_metadata(path), set(names), factors)
     except ValueError as e:
         raise GGUFError(f"{path}: {e}") from e
 

@@ -16,6 +16,8 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
     inv = inv.astype(np.float32)
+    if cfg.rope_freq_factors is not None:  # llama.cpp's form of the same Llama 3 scaling
+        return (inv / np.asarray(cfg.rope_freq_factors, np.float32)).astype(np.float32)
     s = cfg.rope_scaling
     if s is None:
         return inv

@@ -7,6 +7,8 @@ llama architecture only, as llama.cpp does) and must give transformers' logits.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -39,6 +41,26 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
         w.shape)
 
 
+def llama_cpp_rope_freqs(cfg) -> np.ndarray:
+    # llama.cpp's converter turns Llama 3 rope scaling into per-frequency divisors.
+    rs = cfg.rope_parameters
+    theta, head_dim = rs["rope_theta"], cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    old, lo, hi, factor = (rs["original_max_position_embeddings"], rs["low_freq_factor"],
+                           rs["high_freq_factor"], rs["factor"])
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
 def write_gguf(model, path, arch: str):
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -49,9 +71,10 @@ def write_gguf(model, path, arch: str):
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta")
-                              else cfg.rope_parameters["rope_theta"])
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_vocab_size(cfg.vocab_size)
+    if (cfg.rope_parameters or {}).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(cfg))
     for name, p in model.state_dict().items():
         w = p.numpy()
         if name == "model.embed_tokens.weight":
@@ -79,6 +102,9 @@ def write_gguf(model, path, arch: str):
 
 @pytest.mark.parametrize("arch, config_cls, extra", [
     ("llama", "LlamaConfig", dict(tie_word_embeddings=False)),
+    ("llama", "LlamaConfig", dict(tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32))),
     ("qwen2", "Qwen2Config", dict(tie_word_embeddings=True)),
 ])
 def test_gguf_file_gives_transformers_logits(tmp_path, arch, config_cls, extra):
@@ -97,7 +123,7 @@ def test_gguf_file_gives_transformers_logits(tmp_path, arch, config_cls, extra):
     path = tmp_path / f"tiny-{arch}.gguf"
     write_gguf(model, path, arch)
 
-    ids = [5, 17, 3, 88, 42, 42, 9, 60, 1, 33]
+    ids = [5, 17, 3, 88, 42, 42, 9, 60, 1, 33] * 5  # long enough for the scaling to matter
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()
     ours = GreedyDecoder(load_model(path, dtype="float32")).prompt_logits(ids)
