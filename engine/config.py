@@ -1,0 +1,78 @@
+"""EngineConfig: everything that decides an engine's shapes and limits, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
+    out, n = [], lo
+    while n < hi:
+        out.append(n)
+        n *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str                          # path of a GGUF file, HF directory or Orbax checkpoint
+    name: str | None = None             # served model name (default: derived from the path)
+    dtype: str = "auto"                 # float32 | bfloat16 | auto
+    max_model_len: int = 2048           # prompt + output tokens per sequence
+    max_num_seqs: int = 64              # sequences per step
+    max_num_batched_tokens: int = 512   # tokens per step (prefill chunks + decodes)
+    block_size: int = 16                # tokens per KV page
+    num_blocks: int | None = None       # KV pages incl. the reserved page 0 (None: enough for
+                                        # max_num_seqs full-length sequences)
+    enable_prefix_caching: bool = True
+    attention_backend: str = "reference"
+    max_waiting_requests: int = 1024
+    seed: int = 0                       # seeds of requests that bring none are drawn from this
+
+    def __post_init__(self):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "max_waiting_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
+                             f"least max_num_seqs ({self.max_num_seqs})")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (page 0 is reserved), "
+                             f"got {self.num_blocks}")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def total_blocks(self) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return 1 + self.max_num_seqs * self.max_blocks_per_seq
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        """Padded token counts of a step: powers of two from 16 to max_num_batched_tokens."""
+        return _pow2_upto(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
+
+    @property
+    def seq_buckets(self) -> tuple[int, ...]:
+        """Padded sequence counts of a step: powers of two up to max_num_seqs."""
+        return _pow2_upto(1, self.max_num_seqs)
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (tokens, seqs) shape a step can have; warmup compiles each one."""
+        return [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The smallest bucket holding a step; warmup and runtime both come here."""
+        t = next((b for b in self.token_buckets if b >= num_tokens), None)
+        s = next((b for b in self.seq_buckets if b >= num_seqs), None)
+        if t is None or s is None:
+            raise ValueError(f"step of {num_tokens} tokens / {num_seqs} sequences exceeds the "
+                             f"bucket table ({self.max_num_batched_tokens} / {self.max_num_seqs})")
+        return t, s  # s <= t: every sequence brings at least one token

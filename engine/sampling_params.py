@@ -1,0 +1,89 @@
+"""SamplingParams: how one request is decoded, validated at construction.
+
+Field names and meanings follow vLLM/OpenAI. An out-of-range value raises
+`SamplingParamsError`, whose `param` names the field, so the server can answer
+400 with the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+MAX_LOGPROBS = 20
+
+
+class SamplingParamsError(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0          # 0 = greedy
+    top_p: float = 1.0                # (0, 1]
+    top_k: int = 0                    # 0 or -1 = off
+    min_p: float = 0.0                # [0, 1]
+    presence_penalty: float = 0.0     # [-2, 2]
+    frequency_penalty: float = 0.0    # [-2, 2]
+    repetition_penalty: float = 1.0   # > 0; 1 = off
+    seed: int | None = None
+    max_tokens: int | None = 16       # None = up to the context limit
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None       # top-N logprobs per token, N <= 20
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        # Accept lists/str from JSON and normalise to tuples (the dataclass is frozen/hashable).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self):
+        def bad(param, message):
+            raise SamplingParamsError(param, f"{param}: {message}")
+
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            bad("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            bad("seed", f"must be in [0, 2^63), got {self.seed}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens "
+                              f"({self.max_tokens})")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "stop strings must be non-empty strings")
+        if len(self.stop) > 16:
+            bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "token ids must be non-negative")
+        if not 1 <= self.n <= 16:
+            bad("n", f"must be in [1, 16], got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
