@@ -1,0 +1,249 @@
+"""BlockManager: the bookkeeping of the paged KV cache (free list, reference counts, prefix cache).
+
+Physical block 0 is a reserved dummy page that padded batch slots point at; it is never handed
+out. Once a full block's K/V has been written (`mark_computed`), the block is registered in the
+prefix cache under a chained hash (sha256 of the previous block's hash and its own token ids,
+seeded by the sequence's optional `cache_salt`), so a later sequence with the same prefix reuses
+the page instead of recomputing it. A lookup also compares token ids, so a hash collision never
+shares a page.
+
+A freed block keeps its cached content until it is handed out for something else. Free blocks are
+handed out uncached ones first, then cached ones least recently freed first, so recently used
+prefixes survive longest.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from array import array
+from collections.abc import Iterable
+
+from engine.sequence import Sequence
+
+
+def hash_block(parent: bytes, token_ids: Iterable[int]) -> bytes:
+    """Chained hash of one full block: depends on every token before it too."""
+    # A cryptographic hash: with Python's hash() crafted prompts can collide (vLLM CVE-2025-25183).
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+def _root_hash(seq: Sequence) -> bytes:
+    salt = getattr(seq, "cache_salt", None)
+    return b"" if salt is None else hashlib.sha256(b"salt:" + str(salt).encode()).digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"need at least 2 KV blocks (block 0 is reserved), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        # Set once a block is full and computed; kept after it is freed, until it is handed out.
+        self._hashes: list[bytes | None] = [None] * num_blocks
+        self._token_ids: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._hash_to_block: dict[bytes, int] = {}
+        # Blocks with ref count 0, the next one to hand out first.
+        self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(
+            range(1, num_blocks))
+        self.prefix_cache_queries = 0  # full blocks of admitted sequences
+        self.prefix_cache_hits = 0     # of those, how many reused a cached block
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds, including cached ones (reusable)."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_to_block)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by sequences."""
+        return 1.0 - len(self._free) / self.num_usable_blocks
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self._num_free_blocks_needed(seq, self._cache_hits(seq)) <= len(self._free)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` blocks for all its tokens, reusing cached blocks for its leading full ones."""
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds KV blocks")
+        if seq.block_size != self.block_size:
+            raise ValueError(f"sequence block_size {seq.block_size} != {self.block_size}")
+        hits = self._cache_hits(seq)
+        needed = self._num_free_blocks_needed(seq, hits)
+        if needed > len(self._free):
+            raise RuntimeError(f"cannot allocate sequence {seq.seq_id}: needs {needed} free KV "
+                               f"blocks, {len(self._free)} free")
+        for block in hits:
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+        new = [self._take_free_block() for _ in range(seq.num_blocks - len(hits))]
+        seq.block_table = hits + new
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens // self.block_size
+            self.prefix_cache_hits += len(hits)
+        seq.num_cached_tokens = len(hits) * self.block_size
+        # The last token is always computed: the step must produce its logits. If it is cached,
+        # its K/V is rewritten (same values) into the shared last block.
+        seq.num_computed_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
+
+    def _cache_hits(self, seq: Sequence) -> list[int]:
+        """Cached physical blocks matching seq's leading full blocks, up to the first miss."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        h = _root_hash(seq)
+        for i in range(seq.num_tokens // self.block_size):
+            token_ids = tuple(seq.block(i))
+            h = hash_block(h, token_ids)
+            block = self._hash_to_block.get(h)
+            if block is None or self._token_ids[block] != token_ids:
+                break
+            hits.append(block)
+        return hits
+
+    def _num_free_blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
+        # A hit on a cached block that nobody holds takes it off the free list too.
+        return seq.num_blocks - len(hits) + sum(self._ref_counts[b] == 0 for b in hits)
+
+    def _take_free_block(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        self._uncache(block)
+        self._ref_counts[block] = 1
+        return block
+
+    def _uncache(self, block: int) -> None:
+        h = self._hashes[block]
+        if h is not None and self._hash_to_block.get(h) == block:
+            del self._hash_to_block[h]
+        self._hashes[block] = self._token_ids[block] = None
+
+    # -- progress -----------------------------------------------------------------------------
+
+    def mark_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Record that K/V of seq's first `num_computed_tokens` tokens are written.
+
+        Blocks that became full and computed enter the prefix cache: a block allocated but not
+        yet written must never be hit by another sequence.
+        """
+        if not 0 <= num_computed_tokens <= min(seq.num_tokens,
+                                               len(seq.block_table) * self.block_size):
+            raise ValueError(f"sequence {seq.seq_id}: {num_computed_tokens} computed tokens, but "
+                             f"it has {seq.num_tokens} tokens in {len(seq.block_table)} blocks")
+        seq.num_computed_tokens = num_computed_tokens
+        if not self.enable_prefix_caching:
+            return
+        table = seq.block_table
+        end = num_computed_tokens // self.block_size
+        start = end  # registered blocks are a prefix of the table: find where it ends
+        while start > 0 and self._hashes[table[start - 1]] is None:
+            start -= 1
+        h = _root_hash(seq) if start == 0 else self._hashes[table[start - 1]]
+        for i in range(start, end):
+            token_ids = tuple(seq.block(i))
+            h = hash_block(h, token_ids)
+            block = table[i]
+            self._hashes[block], self._token_ids[block] = h, token_ids
+            old = self._hash_to_block.get(h)
+            if old is not None and self._ref_counts[old] == 0:
+                self._uncache(old)  # a copy nobody holds: hand it out first
+                self._free.move_to_end(old, last=False)
+            self._hash_to_block[h] = block  # the newest copy wins
+
+    # -- decode -------------------------------------------------------------------------------
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the blocks that seq's tokens still lack (0 or 1 in decode) are available."""
+        return seq.num_blocks - len(seq.block_table) <= len(self._free)
+
+    def may_append(self, seq: Sequence) -> None:
+        """Extend seq's block table to hold all its tokens (after `append_token`)."""
+        if not seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} holds no KV blocks: allocate it first")
+        missing = seq.num_blocks - len(seq.block_table)
+        if missing > len(self._free):
+            raise RuntimeError(f"cannot extend sequence {seq.seq_id}: needs {missing} free KV "
+                               f"blocks, {len(self._free)} free")
+        seq.block_table.extend(self._take_free_block() for _ in range(missing))
+
+    # -- release ------------------------------------------------------------------------------
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Drop seq's blocks (finish or preemption by recompute). Harmless if it holds none."""
+        for block in reversed(seq.block_table):  # the tail of a chain is evicted before its head
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+                h = self._hashes[block]
+                if h is None or self._hash_to_block.get(h) != block:
+                    self._uncache(block)  # nothing findable in it: hand it out first
+                    self._free.move_to_end(block, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+
+    # -- tests --------------------------------------------------------------------------------
+
+    def check_invariants(self, seqs: Iterable[Sequence] | None = None) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (with `seqs`: all live ones)."""
+        problems = []
+        if self._ref_counts[0] or 0 in self._free or self._hashes[0] is not None:
+            problems.append("block 0 is in use")
+        for block in range(1, self.num_blocks):
+            ref, free = self._ref_counts[block], block in self._free
+            if ref < 0 or (ref == 0) != free:
+                problems.append(f"block {block}: ref count {ref}, {free=}")
+            h = self._hashes[block]
+            if (h is None) != (self._token_ids[block] is None):
+                problems.append(f"block {block}: hash and token ids disagree")
+            elif free and h is not None and self._hash_to_block.get(h) != block:
+                problems.append(f"free block {block} keeps stale cached content")
+        if any(not 1 <= b < self.num_blocks for b in self._free):
+            problems.append("free list holds an invalid block id")
+        for h, block in self._hash_to_block.items():
+            token_ids = self._token_ids[block]
+            if self._hashes[block] != h or token_ids is None or len(token_ids) != self.block_size:
+                problems.append(f"hash table entry for block {block} is inconsistent")
+        if seqs is not None:
+            problems += self._check_sequences(list(seqs))
+        if problems:
+            raise AssertionError("; ".join(problems))
+
+    def _check_sequences(self, seqs: list[Sequence]) -> list[str]:
+        problems = []
+        held = collections.Counter(b for seq in seqs for b in seq.block_table)
+        for block in range(1, self.num_blocks):
+            if held[block] != self._ref_counts[block]:
+                problems.append(f"block {block}: ref count {self._ref_counts[block]}, "
+                                f"held by {held[block]} sequences")
+        for seq in seqs:
+            if 0 in seq.block_table:
+                problems.append(f"sequence {seq.seq_id} holds block 0")
+            if seq.num_computed_tokens > len(seq.block_table) * self.block_size:
+                problems.append(f"sequence {seq.seq_id}: computed tokens outside its blocks")
+            # Cached blocks are a prefix of the table, chained from the root, all computed.
+            num_cached = sum(self._hashes[b] is not None for b in seq.block_table)
+            if num_cached * self.block_size > max(seq.num_computed_tokens, seq.num_cached_tokens):
+                problems.append(f"sequence {seq.seq_id}: a block not yet computed is cached")
+            h = _root_hash(seq)
+            for i, block in enumerate(seq.block_table[:num_cached]):
+                token_ids = tuple(seq.block(i))
+                h = hash_block(h, token_ids)
+                if self._hashes[block] != h or self._token_ids[block] != token_ids:
+                    problems.append(f"sequence {seq.seq_id}: block {i} is cached with other "
+                                    "content")
+                    break
+        return problems

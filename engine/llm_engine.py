@@ -1,0 +1,160 @@
+"""LLMEngine: the synchronous engine for one model (scripts, tests, the engine thread).
+
+`add_request` tokenizes and admits; `step` runs one scheduled batch through the
+model runner and returns the outputs that changed; `generate` loops until done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Sequence as Seq
+
+from engine.batch import build_batch
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestOutput, TextState, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.scheduler import RequestRejected, Scheduler
+from engine.sequence import Sequence
+from models.tokenizer import Tokenizer
+
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    texts: list[TextState]
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
+                 tokenizer: Tokenizer | None = None):
+        self.config = config
+        self.tokenizer = tokenizer or Tokenizer.from_path(config.model)
+        self.runner = runner or ModelRunner(config)
+        self.block_manager = BlockManager(config.total_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.tokenizer.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._by_seq: dict[int, tuple[Request, int]] = {}
+        self._seeds: dict[int, int] = {}
+        self._rng = random.Random(config.seed)
+        self._next_id = 0
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        self.scheduler.check_fits(len(ids), params.max_tokens)  # raises RequestRejected
+        if request_id is None:
+            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        base = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(request_id, ids, params, [], [])
+        for i in range(params.n):
+            seq = Sequence(ids, params, self.config.block_size, request_id)
+            self._seeds[seq.seq_id] = (base + i * _GOLDEN) % (1 << 63)
+            self._by_seq[seq.seq_id] = (req, i)
+            req.seqs.append(seq)
+            req.texts.append(TextState(self.tokenizer, ids, params.stop,
+                                       params.skip_special_tokens))
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            self.scheduler.finish(seq, "abort")
+        return self._output(req, list(range(len(req.seqs))))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        for entry in out.scheduled:
+            if entry.seq.seq_id in self._by_seq:
+                req = self._by_seq[entry.seq.seq_id][0]
+                req.num_cached_tokens = max(req.num_cached_tokens, entry.seq.num_cached_tokens)
+        result = self.runner.run(build_batch(self.config, out, self._seeds))
+        sampled = [int(result.token_ids[i]) if e.samples else None
+                   for i, e in enumerate(out.scheduled)]
+        self.scheduler.postprocess(out, sampled)
+        touched: dict[str, list[int]] = {}
+        for i, (entry, token) in enumerate(zip(out.scheduled, sampled, strict=True)):
+            if token is None or entry.seq.seq_id not in self._by_seq:
+                continue
+            req, index = self._by_seq[entry.seq.seq_id]
+            text = req.texts[index]
+            if req.params.logprobs is not None:
+                n = req.params.logprobs
+                top = zip(result.top_ids[i][:n], result.top_logprobs[i][:n], strict=True)
+                text.logprobs.append(TokenLogprob(token, float(result.logprobs[i]),
+                                                  [(int(t), float(lp)) for t, lp in top]))
+            stopped = text.add(token)
+            if entry.seq.is_finished:
+                stopped |= text.finish()
+            if stopped:
+                self.scheduler.finish(entry.seq, "stop")
+                entry.seq.finish_reason = "stop"
+            touched.setdefault(req.request_id, []).append(index)
+        return [self._output(self.requests[rid], idx) for rid, idx in touched.items()]
+
+    def _output(self, req: Request, changed: list[int]) -> RequestOutput:
+        outs = []
+        for i, (seq, text) in enumerate(zip(req.seqs, req.texts, strict=True)):
+            delta = text.delta(seq.is_finished) if i in changed else ""
+            delta_ids = text.delta_tokens() if i in changed else []
+            outs.append(CompletionOutput(
+                index=i, text=text.text, token_ids=list(text.token_ids),
+                finish_reason=seq.finish_reason if seq.is_finished else None,
+                logprobs=list(text.logprobs) if req.params.logprobs is not None else None,
+                delta=delta, delta_token_ids=delta_ids))
+        finished = req.finished
+        if finished:
+            self.requests.pop(req.request_id, None)
+            for seq in req.seqs:
+                self._by_seq.pop(seq.seq_id, None)
+                self._seeds.pop(seq.seq_id, None)
+        return RequestOutput(req.request_id, req.prompt_token_ids, outs, finished,
+                             num_cached_tokens=req.num_cached_tokens)
+
+    # ---- scripts ------------------------------------------------------------------------
+
+    def generate(self, prompts: Seq[str | list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in the order of `prompts`."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

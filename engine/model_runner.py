@@ -1,0 +1,146 @@
+"""ModelRunner: the engine's one device boundary (the only engine module importing jax).
+
+It owns the parameters, the KV pages (donated into every step so they update in
+place) and one compiled executable per bucket, all built at warmup. `run(batch)`
+feeds a padded `StepBatch` to its bucket's executable and brings back only the
+sampled token ids and their logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from engine.batch import StepBatch, empty_batch
+from engine.config import EngineConfig
+from models.loader import load_model
+from ops.attention import AttentionMetadata, KVCache
+from ops.sampling import SamplingMetadata, sample
+
+logger = logging.getLogger(__name__)
+
+
+def enable_compilation_cache(directory: str | None = None) -> None:
+    """Persistent XLA compilation cache under the user cache, so a restart is fast."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    directory = directory or os.environ.get("XLASERVE_COMPILE_CACHE") or str(
+        Path(base) / "xlaserve" / "jax")
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# Compilations are counted per runner: XLA reports each backend compile synchronously
+# in the compiling thread, and a warm runner marks its thread while it runs a step.
+_active = threading.local()
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def _count_compile(event: str, duration: float, **kwargs) -> None:
+    runner = getattr(_active, "runner", None)
+    if event == _COMPILE_EVENT and runner is not None:
+        runner.compilations_after_warmup += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+@dataclasses.dataclass
+class StepResult:
+    token_ids: np.ndarray     # [num_seqs] int32
+    logprobs: np.ndarray      # [num_seqs] float32, raw logprob of each sampled token
+    top_ids: np.ndarray       # [num_seqs, 20] int32
+    top_logprobs: np.ndarray  # [num_seqs, 20] float32
+
+
+class BucketMiss(RuntimeError):
+    """A step shape outside the warmed-up table: a bug, never silently compiled."""
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model=None):
+        self.config = config
+        if os.environ.get("XLASERVE_COMPILE_CACHE", "") != "off":
+            enable_compilation_cache()
+        if model is None:
+            model = load_model(config.model, dtype=config.dtype,
+                               attention_backend=config.attention_backend)
+        self.model_config = model.cfg
+        self.dtype = model.embed[...].dtype
+        self.graphdef, self.state = nnx.split(model)
+        cfg = self.model_config
+        self.kv = KVCache.zeros(cfg.num_layers, config.total_blocks, config.block_size,
+                                cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        self._executables: dict[tuple[int, int], object] = {}
+        self.compilations_after_warmup = 0
+        self.warm = False
+
+    # ---- the compiled step ---------------------------------------------------------------
+
+    def _step(self, state, kv, batch):
+        model = nnx.merge(self.graphdef, state)
+        md = AttentionMetadata(slot_mapping=batch["slot_mapping"],
+                               query_start_loc=batch["query_start_loc"],
+                               kv_lens=batch["kv_lens"], page_tables=batch["page_tables"])
+        logits, kv = model(batch["tokens"], batch["positions"], kv, md, batch["logits_indices"])
+        out = sample(logits, SamplingMetadata(**batch["sampling"]))
+        return (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs), kv
+
+    @staticmethod
+    def _device_inputs(batch: StepBatch) -> dict:
+        return {
+            "tokens": batch.tokens, "positions": batch.positions,
+            "slot_mapping": batch.slot_mapping, "query_start_loc": batch.query_start_loc,
+            "kv_lens": batch.kv_lens, "page_tables": batch.page_tables,
+            "logits_indices": batch.logits_indices, "sampling": batch.sampling,
+        }
+
+    def compile_bucket(self, bucket: tuple[int, int]):
+        inputs = self._device_inputs(empty_batch(self.config, bucket))
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
+        lowered = jax.jit(self._step, donate_argnums=(1,)).lower(self.state, self.kv, abstract)
+        return lowered.compile()
+
+    def warmup(self, progress=None) -> float:
+        """Compile every bucket and run each once on padding; returns seconds taken."""
+        logger.info("Beginning dummy run.")
+        start = time.perf_counter()
+        buckets = self.config.buckets()
+        for n, bucket in enumerate(buckets, 1):
+            self._executables[bucket] = self.compile_bucket(bucket)
+            self.run(empty_batch(self.config, bucket))
+            if progress is not None:
+                progress(n, len(buckets), bucket)
+        self.warm = True
+        elapsed = time.perf_counter() - start
+        logger.info("Dummy run completed in %.2fs.", elapsed)
+        return elapsed
+
+    def run(self, batch: StepBatch) -> StepResult:
+        exe = self._executables.get(batch.bucket)
+        if exe is None:
+            if self.warm:
+                self.compilations_after_warmup += 1
+                raise BucketMiss(f"step shape {batch.bucket} is not in the warmed-up bucket table")
+            exe = self._executables[batch.bucket] = self.compile_bucket(batch.bucket)
+        _active.runner = self if self.warm else None
+        try:
+            outputs, self.kv = exe(self.state, self.kv, self._device_inputs(batch))
+            ids, logprobs, top_ids, top_logprobs = jax.device_get(outputs)
+        finally:
+            _active.runner = None
+        n = batch.num_seqs
+        return StepResult(ids[:n], logprobs[:n], top_ids[:n], top_logprobs[:n])
+
+    def kv_bytes(self) -> int:
+        return self.kv.k.nbytes + self.kv.v.nbytes
+
+

@@ -1,0 +1,170 @@
+"""Scheduler: which sequences run in the next step, and how many tokens each brings.
+
+Continuous batching under a token budget (`max_num_batched_tokens`) and a sequence
+cap (`max_num_seqs`): running sequences first (decodes and unfinished prefill
+chunks), then new prompts from the waiting queue, chunked to fit the budget. When
+KV blocks run out, the newest running sequence is preempted by recompute: its
+blocks are freed and it goes back to the front of the waiting queue with the
+tokens it has so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served with this engine's limits."""
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    start: int  # first token index computed in this step (== seq.num_computed_tokens then)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so a new token is sampled."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 eos_token_ids: frozenset[int] = frozenset()):
+        self.config = config
+        self.blocks = block_manager
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- admission ---------------------------------------------------------------------
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        cfg = self.config
+        if num_prompt_tokens < 1:
+            raise RequestRejected("the prompt is empty")
+        total = num_prompt_tokens + (max_tokens if max_tokens is not None else 1)
+        if total > cfg.max_model_len:
+            what = (f"{num_prompt_tokens} prompt tokens + max_tokens {max_tokens}"
+                    if max_tokens is not None else f"{num_prompt_tokens} prompt tokens")
+            raise RequestRejected(f"this model's maximum context length is {cfg.max_model_len} "
+                                  f"tokens, but the request needs {what} = {total}")
+        blocks = -(-total // cfg.block_size)
+        if blocks > self.blocks.num_usable_blocks:
+            raise RequestRejected(f"the request needs {blocks} KV blocks of {cfg.block_size} "
+                                  f"tokens but the whole cache has "
+                                  f"{self.blocks.num_usable_blocks}")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq.num_prompt_tokens, seq.params.max_tokens)
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+
+        # 1. Running sequences, oldest first: decodes and unfinished prefill chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            # A decode token appended last step may need a fresh block for its K/V.
+            while not self.blocks.can_append(seq):
+                victim = self.running.pop()  # the newest running sequence
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.may_append(seq)
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: nothing after it is running any more
+
+        # 2. Waiting sequences (new, or preempted and recomputed), chunked to the budget.
+        # Not in a step that had to preempt: the freed blocks would only thrash.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq)  # sets num_computed_tokens from prefix-cache hits
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+            budget -= n
+        return SchedulerOutput(scheduled, preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """Record a step's results; `sampled[i]` is the token for `out.scheduled[i]` (None
+        when that entry only computed a prefill chunk). Returns sequences that finished."""
+        finished = []
+        for entry, token in zip(out.scheduled, sampled, strict=True):
+            seq = entry.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            self.blocks.mark_computed(seq, entry.start + entry.num_new_tokens)
+            if token is None:
+                continue
+            seq.append_token(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+                return "stop"
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (finished, stopped by a stop string, or aborted) and free its blocks."""
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.deallocate(seq)

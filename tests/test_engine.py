@@ -1,0 +1,192 @@
+"""The engine on the real default model: continuous batching, prefix caching, preemption,
+compilation discipline, seeded sampling and aborts.
+
+One warmed-up engine serves the module; every test must leave all KV blocks free.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from models.generate import GreedyDecoder
+
+GAP = 1e-3
+WORDS = ("the sea river mountain light keeper engine token page block cache quick brown fox "
+         "jumps over lazy dog numbers 1 2 3 42 code def return while café 日本 🤖").split()
+
+
+def _prompt(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+@pytest.fixture(scope="module")
+def engine(default_gguf):
+    cfg = EngineConfig(model=str(default_gguf), dtype="float32", max_model_len=512,
+                       max_num_seqs=16, max_num_batched_tokens=64, block_size=16)
+    eng = LLMEngine(cfg)
+    eng.runner.warmup()
+    return eng
+
+
+@pytest.fixture(scope="module")
+def plain(engine):
+    from flax import nnx
+
+    return GreedyDecoder(nnx.merge(engine.runner.graphdef, engine.runner.state), max_len=512)
+
+
+@pytest.fixture(autouse=True)
+def all_blocks_free_after(request):
+    yield
+    if "engine" in request.fixturenames:
+        eng = request.getfixturevalue("engine")
+        assert not eng.has_unfinished()
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+        eng.block_manager.check_invariants()
+
+
+def assert_greedy_equal(got: list[int], prompt_ids: list[int], plain: GreedyDecoder):
+    """Token-identical to plain decoding, or diverging only at a near-tie (gap < 1e-3)."""
+    want, logits = plain.generate(prompt_ids, len(got))
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        if a != b:
+            top2 = np.sort(logits[i])[-2:]
+            gap = float(top2[1] - top2[0])
+            assert a == int(np.argsort(logits[i])[-2]) and gap < GAP, (
+                f"diverges at token {i}: {a} vs {b}, top-2 gap {gap:.2e}")
+            return
+
+
+def test_concurrent_greedy_equals_alone_and_plain(engine, plain):
+    rng = random.Random(0)
+    prompts = [_prompt(rng, rng.choice([2, 5, 20, 60, 150])) for _ in range(32)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(4, 20), ignore_eos=True)
+              for _ in prompts]
+    together = engine.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, together, strict=True):
+        tokens = out.outputs[0].token_ids
+        assert len(tokens) == p.max_tokens and out.outputs[0].finish_reason == "length"
+        alone = engine.generate([prompt], p)[0].outputs[0].token_ids
+        ids = engine.tokenizer.encode(prompt)
+        assert_greedy_equal(tokens, ids, plain)
+        assert_greedy_equal(alone, ids, plain)
+
+
+def test_prefix_cache_reuses_blocks_and_output(engine, plain):
+    shared = _prompt(random.Random(1), 120)
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = engine.generate([shared + " first"], p)[0]
+    hits = engine.block_manager.prefix_cache_hits
+    second = engine.generate([shared + " second"], p)[0]
+    assert engine.block_manager.prefix_cache_hits > hits
+    shared_len = len(engine.tokenizer.encode(shared))
+    assert second.num_cached_tokens >= (shared_len // 16) * 16 - 16 > 0
+    assert_greedy_equal(second.outputs[0].token_ids, second.prompt_token_ids, plain)
+    again = engine.generate([shared + " first"], p)[0]
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_preemption_gives_the_same_greedy_outputs(engine):
+    import dataclasses
+
+    rng = random.Random(2)
+    prompts = [_prompt(rng, 25) for _ in range(8)]
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    big = engine.generate(prompts, p)
+    # Same runner (same compiled steps), but a block manager that holds 12 usable blocks of
+    # 16 tokens: far less than the 8 sequences need together.
+    small_cfg = dataclasses.replace(engine.config, num_blocks=13)
+    small = LLMEngine(small_cfg, runner=engine.runner, tokenizer=engine.tokenizer)
+    outs = small.generate(prompts, p)
+    assert small.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in big]
+    assert small.block_manager.num_free_blocks == small.block_manager.num_usable_blocks
+
+
+def test_no_compilation_after_warmup(engine):
+    rng = random.Random(3)
+    prompts, params = [], []
+    for _ in range(200):
+        prompts.append(_prompt(rng, rng.randint(1, 80)))
+        params.append(SamplingParams(
+            temperature=rng.choice([0.0, 0.3, 0.8, 1.0, 1.5]),
+            top_p=rng.choice([1.0, 0.9, 0.5]), top_k=rng.choice([0, 5, 50]),
+            min_p=rng.choice([0.0, 0.05]), presence_penalty=rng.choice([0.0, 0.5]),
+            frequency_penalty=rng.choice([0.0, -0.3]),
+            repetition_penalty=rng.choice([1.0, 1.2]), seed=rng.choice([None, 7]),
+            max_tokens=rng.randint(1, 12), logprobs=rng.choice([None, 0, 5]),
+            n=rng.choice([1, 1, 2])))
+    outs = engine.generate(prompts, params)
+    assert len(outs) == 200 and all(o.finished for o in outs)
+    assert engine.runner.compilations_after_warmup == 0
+
+
+def test_seeded_sampling_is_independent_of_the_batch(engine):
+    p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = engine.generate(["Write a word:"], p)[0].outputs[0].token_ids
+    rng = random.Random(4)
+    others = [_prompt(rng, rng.randint(1, 40)) for _ in range(9)]
+    mixed = engine.generate(others[:4] + ["Write a word:"] + others[4:],
+                            [SamplingParams(temperature=0.7, max_tokens=10)] * 4 + [p]
+                            + [SamplingParams(temperature=0.7, max_tokens=10)] * 5)
+    assert mixed[4].outputs[0].token_ids == alone
+    different = engine.generate(["Write a word:"], SamplingParams(
+        temperature=1.0, top_p=0.95, seed=99, max_tokens=16, ignore_eos=True))[0]
+    assert different.outputs[0].token_ids != alone
+
+
+def test_logprobs_are_returned(engine):
+    out = engine.generate(["The sky is"], SamplingParams(temperature=0, max_tokens=4,
+                                                         logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for lp, tok in zip(out.logprobs, out.token_ids, strict=True):
+        assert lp.token_id == tok and len(lp.top) == 3
+        assert lp.top[0][0] == tok and lp.logprob == pytest.approx(lp.top[0][1])
+        assert lp.logprob <= 0
+
+
+def test_stop_string_across_tokens_is_cut_and_never_leaked(engine):
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    full = engine.generate(["The capital of France is"], p)[0].outputs[0]
+    tokens = [engine.tokenizer.decode([t]) for t in full.token_ids]
+    # a stop string made of the end of token 3 and the start of token 4
+    stop = tokens[3][-2:] + tokens[4][:2]
+    assert len(stop) >= 3
+    cut = full.text.find(stop)
+    engine_out = engine.add_request("The capital of France is",
+                                    SamplingParams(temperature=0, max_tokens=30, stop=[stop]))
+    streamed = ""
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == engine_out:
+                streamed += o.outputs[0].delta
+                final = o
+    assert final.outputs[0].finish_reason == "stop"
+    assert final.outputs[0].text == full.text[:cut] == streamed
+    assert stop not in streamed
+
+
+def test_abort_mid_generation_frees_blocks(engine):
+    rid = engine.add_request("Tell me a long story about the sea.",
+                             SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_usable_blocks
+    out = engine.abort(rid)
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+def test_requests_that_can_never_fit_are_rejected(engine):
+    from engine.scheduler import RequestRejected
+
+    with pytest.raises(RequestRejected, match="maximum context length is 512"):
+        engine.add_request("hello", SamplingParams(max_tokens=600))
+    with pytest.raises(RequestRejected, match="empty"):
+        engine.add_request([], SamplingParams())
