@@ -1,0 +1,340 @@
+"""ops/sampling.py against exact numpy references: the sampled distributions (chi-square),
+greedy rows, per-row reproducibility, vLLM's penalties, raw logprobs, and no recompiles."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.scipy.stats import chi2
+
+from ops.sampling import (
+    CANDIDATES,
+    NUM_TOP_LOGPROBS,
+    SamplingMetadata,
+    apply_penalties,
+    probs,
+    sample,
+    seed_words,
+)
+
+LOGITS = np.array([0.5, 2.0, -1.0, 1.0, -3.0, 1.5, 0.0, -0.5], np.float32)  # V = 8, no ties
+DRAWS = 20_000
+
+TRACES: list[tuple] = []  # one entry per trace of sample_jit: the input shapes
+
+
+@jax.jit
+def sample_jit(logits, md):
+    # Shared by all tests so that each shape compiles once; counts its traces (test 7).
+    TRACES.append(jax.tree.map(jnp.shape, (logits, md)))
+    return sample(logits, md)
+
+
+def metadata(num_seqs: int, **columns) -> SamplingMetadata:
+    """Padding-row metadata with distinct seeds, then `columns` written over it."""
+    md = SamplingMetadata.dummy(num_seqs, 4, 4)
+    md.seeds[:, 1] = np.arange(num_seqs)
+    for name, value in columns.items():
+        getattr(md, name)[...] = value
+    return md
+
+
+def rows(mds: list[SamplingMetadata]) -> SamplingMetadata:
+    """Stack single-purpose metadata blocks into one batch."""
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *mds)
+
+
+# ---- numpy references -----------------------------------------------------------------
+
+
+def log_softmax64(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def target(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, min_p_last=False):
+    """vLLM v1: temperature -> min-p -> top-k -> top-p over the renormalised survivors.
+    `min_p_last` moves min-p after top-p (vLLM v0's order): a wrong target for the tests."""
+    logits = np.asarray(logits, np.float64)
+    p = np.exp(log_softmax64(logits / temperature))
+    keep = np.ones(len(p), bool) if min_p_last else p >= min_p * p.max()
+    if 0 < top_k < len(logits):
+        keep &= logits >= np.sort(logits)[::-1][top_k - 1]
+    q = np.where(keep, p, 0.0) / p[keep].sum()
+    if top_p < 1:
+        order = np.argsort(-q)
+        mass_before = np.concatenate([[0.0], np.cumsum(q[order])[:-1]])
+        q[order[mass_before >= top_p]] = 0.0
+        q /= q.sum()
+    if min_p_last:
+        q[q < min_p * q.max()] = 0.0
+        q /= q.sum()
+    return q
+
+
+def ref_penalties(logits, prompt, output, rep, freq, pres):
+    out = np.asarray(logits, np.float64).copy()
+    for s in range(out.shape[0]):
+        seen = np.unique(np.concatenate([prompt[s][prompt[s] >= 0], output[s][output[s] >= 0]]))
+        out[s, seen] = np.where(out[s, seen] > 0, out[s, seen] / rep[s], out[s, seen] * rep[s])
+        counts = np.bincount(output[s][output[s] >= 0], minlength=out.shape[1])
+        out[s] -= freq[s] * counts + pres[s] * (counts > 0)
+    return out
+
+
+def chi2_pvalue(counts, p):
+    """p-value of `counts` under `p`; 0 if a token with p == 0 was drawn."""
+    if counts[p == 0].any():
+        return 0.0
+    expected = counts.sum() * p[p > 0]
+    stat = ((counts[p > 0] - expected) ** 2 / expected).sum()
+    return float(chi2.sf(stat, (p > 0).sum() - 1))
+
+
+# ---- 1. the sampled distributions -----------------------------------------------------
+
+# (parameters, the target with one thing wrong): the test must reject the wrong target.
+CASES = {
+    "temperature=1": (dict(temperature=1.0), dict(temperature=0.8)),
+    "temperature=0.5": (dict(temperature=0.5), dict(temperature=1.0)),
+    "top_k=3": (dict(temperature=1.0, top_k=3), dict(temperature=1.0)),
+    "top_p=0.8": (dict(temperature=1.0, top_p=0.8), dict(temperature=1.0)),
+    "min_p=0.2": (dict(temperature=1.0, min_p=0.2), dict(temperature=1.0)),
+    "combined": (dict(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05),
+                 dict(temperature=1.0, top_k=5, top_p=0.9, min_p=0.05)),
+    "min_p before top_p": (dict(temperature=0.9, top_p=0.8, min_p=0.3),
+                           dict(temperature=0.9, top_p=0.8, min_p=0.3, min_p_last=True)),
+}
+# The same 8 logits spread over three 256-token blocks of the draw (the last one partial).
+SPREAD = np.array([0, 255, 256, 300, 511, 512, 519, 100])
+SPREAD_VOCAB = 520
+
+
+def counts_of(logits: np.ndarray, md: SamplingMetadata, groups: int) -> np.ndarray:
+    tokens = np.asarray(sample_jit(jnp.asarray(logits), md).token_ids).reshape(groups, -1)
+    return np.stack([np.bincount(t, minlength=logits.shape[1]) for t in tokens])
+
+
+@pytest.fixture(scope="module")
+def draws():
+    """One batched call: DRAWS rows per case, all with the same logits and distinct seeds."""
+    md = rows([metadata(DRAWS, **params) for params, _ in CASES.values()])
+    md.seeds[:, 1] = np.arange(len(md.temperature))
+    logits = np.broadcast_to(LOGITS, (len(md.temperature), len(LOGITS)))
+    return dict(zip(CASES, counts_of(logits, md, len(CASES)), strict=True))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_empirical_distribution_matches_target(draws, case):
+    params, wrong = CASES[case]
+    p = target(LOGITS, **params)
+    counts = draws[case]
+    assert counts.sum() == DRAWS
+    assert counts[p == 0].sum() == 0, "a filtered token was drawn"
+    assert chi2_pvalue(counts, p) > 1e-3
+    assert chi2_pvalue(counts, target(LOGITS, **wrong)) < 1e-3, "the test cannot tell"
+
+
+def test_draw_across_vocabulary_blocks():
+    draws = DRAWS // 2
+    logits = np.full((draws, SPREAD_VOCAB), -np.inf, np.float32)
+    logits[:, SPREAD] = LOGITS
+    md = metadata(draws, temperature=1.0, top_p=0.95)
+    md.seeds[:, 0] = 7
+    counts = counts_of(logits, md, 1)[0]
+    assert counts.sum() == counts[SPREAD].sum() == draws
+    assert chi2_pvalue(counts[SPREAD], target(LOGITS, top_p=0.95)) > 1e-3
+    assert chi2_pvalue(counts[SPREAD], target(LOGITS, temperature=0.8)) < 1e-3
+
+
+def test_targets_exclude_tokens():
+    # The filter cases must actually filter, or their masked-token check is vacuous.
+    for case in ("top_k=3", "top_p=0.8", "min_p=0.2", "combined", "min_p before top_p"):
+        assert (target(LOGITS, **CASES[case][0]) == 0).any(), case
+
+
+def test_probs_match_reference_on_both_cutoff_paths():
+    # V > CANDIDATES: top_k=100 and wide nuclei take the bisection, the rest the fast path.
+    vocab = 300
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(7, vocab)).astype(np.float32)
+    logits[6] = 0.0                       # all equal: ties at a cutoff are all kept
+    logits[1] *= 0.3                      # flat: the 0.9 nucleus is far wider than 64 tokens
+    logits[3, :5] += 8                    # peaked: the nucleus is a few tokens
+    params = [dict(temperature=1.0, top_k=10), dict(temperature=1.0, top_p=0.9),
+              dict(temperature=0.8, top_k=100), dict(temperature=1.0, top_p=0.5),
+              dict(temperature=1.5, top_k=150, top_p=0.95, min_p=0.1),
+              dict(temperature=0.0, top_p=0.5), dict(temperature=1.0, top_k=10, top_p=0.5)]
+    md = rows([metadata(1, **p) for p in params])
+    got = np.asarray(jax.jit(probs)(jnp.asarray(logits), md))
+    np.testing.assert_allclose(got[6], np.full(vocab, 1 / vocab), rtol=1e-6)
+    for s, p in enumerate(params[:6]):
+        want = (np.eye(vocab)[logits[s].argmax()] if p["temperature"] == 0
+                else target(logits[s], **p))
+        np.testing.assert_array_equal(got[s] > 0, want > 0, err_msg=str(p))
+        np.testing.assert_allclose(got[s], want, rtol=1e-4, atol=1e-7, err_msg=str(p))
+    assert (got[1] > 0).sum() > CANDIDATES  # the bisection really ran
+
+
+# ---- 2-3. greedy rows, batch independence, reproducibility ----------------------------
+
+MIXED = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.0, top_p=0.5),
+         dict(temperature=0.7, top_k=5), dict(temperature=1.0, top_p=0.8),
+         dict(temperature=1.2, min_p=0.1), dict(temperature=0.0, top_k=3),
+         dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02)]
+
+
+def mixed_batch():
+    logits = np.random.default_rng(1).normal(size=(len(MIXED), 64)).astype(np.float32)
+    md = rows([metadata(1, **p) for p in MIXED])
+    md.seeds[:, 1] = 1000 + np.arange(len(MIXED))
+    md.steps[:] = 7
+    return logits, md
+
+
+def test_greedy_rows_take_the_argmax():
+    logits, md = mixed_batch()
+    tokens = np.asarray(sample_jit(jnp.asarray(logits), md).token_ids)
+    greedy = md.temperature == 0
+    np.testing.assert_array_equal(tokens[greedy], logits[greedy].argmax(-1))
+
+
+def test_each_row_draws_the_same_alone_and_anywhere_in_a_batch():
+    logits, md = mixed_batch()
+    batch = np.asarray(sample_jit(jnp.asarray(logits), md).token_ids)
+    alone = [int(sample_jit(jnp.asarray(logits[s:s + 1]),
+                            jax.tree.map(lambda a, s=s: a[s:s + 1], md)).token_ids[0])
+             for s in range(len(MIXED))]
+    np.testing.assert_array_equal(batch, alone)
+    # Reversed, and next to rows with other seeds, steps and parameters.
+    order = np.arange(len(MIXED))[::-1]
+    _, other = mixed_batch()
+    other.seeds[:, 1] += 50
+    shuffled = rows([jax.tree.map(lambda a: a[order], md), other])
+    both = np.concatenate([logits[order], -logits])
+    got = np.asarray(sample_jit(jnp.asarray(both), shuffled).token_ids)[:len(MIXED)]
+    np.testing.assert_array_equal(got, batch[order])
+
+
+def test_steps_and_seeds_change_the_draw():
+    flat = jnp.zeros((16, 64))
+    md = metadata(16, temperature=1.0)
+    md.seeds[:] = seed_words(1234)
+    md.steps[:] = np.arange(16)
+    by_step = np.asarray(sample_jit(flat, md).token_ids)
+    assert len(set(by_step)) >= 10  # 16 uniform draws from 64: ~14 distinct on average
+    again = np.asarray(sample_jit(flat, md).token_ids)
+    np.testing.assert_array_equal(by_step, again)
+    md.steps[:] = 0
+    md.seeds[:] = [seed_words(1234 + (s << 32)) for s in range(16)]  # only the high word differs
+    by_seed = np.asarray(sample_jit(flat, md).token_ids)
+    assert len(set(by_seed)) >= 10
+
+
+def test_seed_words():
+    assert seed_words(0) == (0, 0)
+    assert seed_words(2**40 + 5) == (256, 5)
+    assert seed_words(2**64 - 1) == (2**32 - 1, 2**32 - 1)
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError, match="seed"):
+            seed_words(bad)
+
+
+# ---- 4. penalties ---------------------------------------------------------------------
+
+
+def test_penalties_match_vllm_formulas():
+    vocab = 16
+    rng = np.random.default_rng(2)
+    logits = rng.normal(scale=2.0, size=(5, vocab)).astype(np.float32)
+    prompt = np.array([[1, 2, 2, -1, -1], [3, 4, -1, -1, -1], [5, 6, 7, 8, -1],
+                       [0, 9, 9, 9, 10], [-1] * 5], np.int32)
+    output = np.array([[2, 11, 11, -1], [4, 4, 4, 12], [-1] * 4, [9, 13, 13, 0],
+                       [14, 14, 15, -1]], np.int32)
+    rep = np.array([1.0, 1.3, 2.0, 0.8, 1.0], np.float32)
+    freq = np.array([0.0, 0.5, 0.0, -0.3, 1.0], np.float32)
+    pres = np.array([0.0, 0.25, 0.0, 1.5, 0.0], np.float32)
+    md = SamplingMetadata.dummy(5, output.shape[1], prompt.shape[1])
+    md.output_tokens[:], md.prompt_tokens[:] = output, prompt
+    md.repetition_penalty[:], md.frequency_penalty[:], md.presence_penalty[:] = rep, freq, pres
+    got = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), md))
+    want = ref_penalties(logits, prompt, output, rep, freq, pres)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[0], logits[0])      # row 0 has every penalty off
+    assert (got[2, 5:9] != logits[2, 5:9]).all()          # prompt-only tokens: repetition only
+
+
+def test_penalties_off_leave_logits_alone_and_greedy_sees_them_on():
+    logits = jnp.asarray(LOGITS[None])
+    md = metadata(1, temperature=0.0)
+    np.testing.assert_array_equal(apply_penalties(logits, md), logits)
+    assert int(sample_jit(logits, md).token_ids[0]) == 1
+    md.output_tokens[0, :2] = [1, 1]
+    md.frequency_penalty[:] = 1.0  # token 1 drops from 2.0 to 0.0: token 5 (1.5) wins
+    assert int(sample_jit(logits, md).token_ids[0]) == 5
+
+
+# ---- 5-6. logprobs, and rows that must not produce NaN --------------------------------
+
+
+def test_logprobs_are_raw_log_softmax_at_the_sampled_token():
+    logits, md = mixed_batch()
+    md.num_top_logprobs[:] = 5
+    md.output_tokens[:, :2] = [3, 4]
+    md.repetition_penalty[:] = 1.5  # penalties and temperature must not touch the logprobs
+    out = sample_jit(jnp.asarray(logits), md)
+    ref = log_softmax64(logits)
+    tokens = np.asarray(out.token_ids)
+    np.testing.assert_allclose(out.logprobs, ref[np.arange(len(tokens)), tokens], atol=2e-6)
+    order = np.argsort(-ref, axis=-1)[:, :NUM_TOP_LOGPROBS]
+    np.testing.assert_array_equal(out.top_ids, order)
+    np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(ref, order, -1), atol=2e-6)
+    assert (np.diff(np.asarray(out.top_logprobs), axis=-1) <= 0).all()
+
+
+def test_top_logprobs_skipped_or_padded():
+    out = sample_jit(jnp.asarray(LOGITS[None]), metadata(1))
+    assert (np.asarray(out.top_ids) == -1).all() and np.isneginf(out.top_logprobs).all()
+    out = sample_jit(jnp.asarray(LOGITS[None]), metadata(1, num_top_logprobs=3))
+    np.testing.assert_array_equal(out.top_ids[0, :8], np.argsort(-LOGITS))
+    assert (np.asarray(out.top_ids[0, 8:]) == -1).all()  # V = 8 < 20
+
+
+def test_equal_logits_and_padding_rows_give_no_nan():
+    vocab = 64
+    params = [dict(), dict(temperature=1.0), dict(temperature=1.0, top_p=0.5),
+              dict(temperature=1.0, top_k=3), dict(temperature=0.5, min_p=0.9),
+              dict(temperature=1e-6, top_k=2, top_p=0.1, min_p=1.0), dict(temperature=100.0),
+              dict(temperature=1.0, top_k=100, top_p=0.2)]
+    md = rows([metadata(1, **p) for p in params] * 2)
+    logits = np.zeros((len(md.temperature), vocab), np.float32)
+    logits[len(params):, vocab // 2:] = -np.inf  # half the vocabulary masked by the engine
+    md.num_top_logprobs[:] = 20
+    out = sample_jit(jnp.asarray(logits), md)
+    tokens = np.asarray(out.token_ids)
+    assert ((tokens >= 0) & (tokens < vocab)).all()
+    assert (tokens[len(params):] < vocab // 2).all()
+    np.testing.assert_allclose(out.logprobs[:len(params)], -np.log(vocab), rtol=1e-6)
+    np.testing.assert_allclose(out.logprobs[len(params):], -np.log(vocab // 2), rtol=1e-6)
+    assert np.isfinite(out.top_logprobs).all()
+
+
+# ---- 7. compilation -------------------------------------------------------------------
+
+
+def test_new_parameter_values_do_not_recompile():
+    logits, _ = mixed_batch()
+    num_seqs = len(MIXED)
+    for seed, params in enumerate([
+            dict(), dict(temperature=1.0), dict(temperature=0.3, top_k=5),
+            dict(temperature=1.0, top_p=0.9, min_p=0.1), dict(temperature=1.0, top_k=60),
+            dict(temperature=0.5, repetition_penalty=1.2, presence_penalty=0.5,
+                 frequency_penalty=0.1, num_top_logprobs=20)]):
+        md = metadata(num_seqs, **params)
+        md.steps[:] = np.random.default_rng(seed).integers(0, 100, num_seqs)
+        md.output_tokens[:, 0] = seed
+        jax.block_until_ready(sample_jit(jnp.asarray(logits), md))
+    assert TRACES.count(jax.tree.map(jnp.shape, (logits, md))) == 1
