@@ -1,0 +1,224 @@
+"""The engine thread and its asyncio front end, driven by a fake runner whose next token is
+always the previous token + 1 (outputs computable by hand, no compilation)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloaded,
+    Engines,
+    UnknownModel,
+)
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import StepResult
+from engine.sampling_params import SamplingParams
+from engine.scheduler import RequestRejected
+
+
+class FakeRunner:
+    def __init__(self, step: int = 1):
+        self.step, self.warm, self.compilations_after_warmup = step, False, 0
+        self.fail_next = False
+        self.gate = threading.Event()
+        self.gate.set()
+        self.calls, self.pause_after = 0, None  # pause_after: block from that call on
+
+    def warmup(self):
+        self.warm = True
+        return 0.0
+
+    def run(self, batch):
+        self.calls += 1
+        if self.calls == self.pause_after:
+            self.gate.clear()
+        self.gate.wait()
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("injected fault")
+        n = batch.num_seqs
+        ids = (batch.tokens[batch.logits_indices[:n]] + self.step).astype(np.int32)
+        return StepResult(ids, np.zeros(n, np.float32), np.zeros((n, 20), np.int32),
+                          np.zeros((n, 20), np.float32))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_gguf):
+    from models.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(default_gguf)
+
+
+def make_engine(tokenizer, name="fake", step=1, **over):
+    cfg = EngineConfig(model="fake", name=name, max_model_len=128, max_num_seqs=8,
+                       max_num_batched_tokens=32, **over)
+    runners = []
+
+    def factory(c):
+        runners.append(FakeRunner(step))
+        return LLMEngine(c, runner=runners[-1], tokenizer=tokenizer)
+
+    return AsyncEngine(cfg, factory), runners
+
+
+async def collect(engine, prompt, params):
+    outs = []
+    async for out in engine.generate(prompt, params):
+        outs.append(out)
+    return outs
+
+
+def wait_until(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def all_free(engine):
+    bm = engine.engine.block_manager
+    return bm.num_free_blocks == bm.num_usable_blocks
+
+
+P = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+def test_streams_tokens_and_finishes(tokenizer):
+    engine, _ = make_engine(tokenizer)
+    try:
+        outs = asyncio.run(collect(engine, [1000, 2000], P))
+        assert [o.outputs[0].delta_token_ids for o in outs] == [[2001], [2002], [2003], [2004],
+                                                                 [2005]]
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        assert all_free(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_many_concurrent_requests(tokenizer):
+    engine, _ = make_engine(tokenizer)
+
+    async def main():
+        prompts = [[100 * i + 7] * (1 + i % 5) for i in range(1, 25)]
+        results = await asyncio.gather(*(collect(engine, p, P) for p in prompts))
+        for p, outs in zip(prompts, results, strict=True):
+            assert outs[-1].outputs[0].token_ids == [p[-1] + k for k in range(1, 6)]
+
+    try:
+        asyncio.run(main())
+        assert wait_until(lambda: all_free(engine))
+    finally:
+        engine.shutdown()
+
+
+def test_leaving_the_stream_aborts_and_frees_blocks(tokenizer):
+    engine, runners = make_engine(tokenizer)
+    seen = {}
+
+    runners[0].pause_after = 4  # the engine stalls in its 4th step: the request cannot finish
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        async for out in engine.generate([500] * 20, params):
+            if len(out.outputs[0].token_ids) >= 3:
+                seen["req"] = engine.engine.requests[out.request_id]
+                break  # what a client disconnect does
+
+    try:
+        asyncio.run(main())
+        runners[0].gate.set()
+        assert wait_until(lambda: not engine.engine.has_unfinished() and all_free(engine))
+        seq = seen["req"].seqs[0]
+        assert seq.finish_reason == "abort" and seq.num_output_tokens < 100
+    finally:
+        runners[0].gate.set()
+        engine.shutdown()
+
+
+def test_rejections_before_queueing(tokenizer):
+    engine, _ = make_engine(tokenizer)
+
+    async def main():
+        with pytest.raises(RequestRejected, match="maximum context length is 128"):
+            await collect(engine, [5] * 100, SamplingParams(max_tokens=50))
+        with pytest.raises(RequestRejected, match="empty"):
+            await collect(engine, [], P)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_full_waiting_queue_is_refused(tokenizer):
+    engine, runners = make_engine(tokenizer, max_waiting_requests=2)
+    runners[0].gate.clear()  # the engine thread blocks inside its first step
+
+    async def main():
+        tasks = [asyncio.create_task(collect(engine, [9, 9], P))]
+        await asyncio.sleep(0.2)
+        tasks += [asyncio.create_task(collect(engine, [9, 9], P)) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        with pytest.raises(EngineOverloaded, match="limit 2"):
+            await collect(engine, [9, 9], P)
+        runners[0].gate.set()
+        for t in tasks:
+            assert (await t)[-1].finished
+
+    try:
+        asyncio.run(main())
+    finally:
+        runners[0].gate.set()
+        engine.shutdown()
+
+
+def test_dead_engine_fails_requests_and_reboots(tokenizer, caplog):
+    engine, runners = make_engine(tokenizer, name="victim")
+    caplog.set_level(logging.INFO, logger="engine.async_engine")
+
+    async def main():
+        runners[0].fail_next = True
+        with pytest.raises(EngineDeadError, match="injected fault"):
+            await collect(engine, [42, 43], SamplingParams(max_tokens=20, ignore_eos=True))
+        assert wait_until(lambda: engine.alive)
+        outs = await collect(engine, [42, 43], P)  # served by the rebuilt engine
+        assert outs[-1].outputs[0].token_ids == [44, 45, 46, 47, 48]
+
+    try:
+        asyncio.run(main())
+        assert engine.num_restarts == 1 and len(runners) == 2
+        assert "Engine victim is dead, rebooting" in caplog.text
+        assert "Successfully rebooted engine victim" in caplog.text
+    finally:
+        engine.shutdown()
+
+
+def test_several_models_by_name(tokenizer):
+    a, _ = make_engine(tokenizer, name="a", step=1)
+    b, _ = make_engine(tokenizer, name="b", step=2)
+    engines = Engines({"a": a, "b": b})
+
+    async def main():
+        ra, rb = await asyncio.gather(collect(engines["a"], [10], P),
+                                      collect(engines["b"], [10], P))
+        assert ra[-1].outputs[0].token_ids == [11, 12, 13, 14, 15]
+        assert rb[-1].outputs[0].token_ids == [12, 14, 16, 18, 20]
+
+    try:
+        asyncio.run(main())
+        with pytest.raises(UnknownModel, match="'c' does not exist"):
+            engines["c"]
+        assert engines.names() == ["a", "b"]
+    finally:
+        engines.shutdown()
