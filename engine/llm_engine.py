@@ -39,8 +39,9 @@ class Request:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
-                 tokenizer: Tokenizer | None = None):
+                 tokenizer: Tokenizer | None = None, detokenize: bool = True):
         self.config = config
+        self.detokenize = detokenize
         self.tokenizer = tokenizer or Tokenizer.from_path(config.model)
         self.runner = runner or ModelRunner(config)
         self.block_manager = BlockManager(config.total_blocks, config.block_size,
@@ -73,7 +74,8 @@ class LLMEngine:
             self._seeds[seq.seq_id] = (base + i * _GOLDEN) % (1 << 63)
             self._by_seq[seq.seq_id] = (req, i)
             req.seqs.append(seq)
-            req.texts.append(TextState(self.tokenizer, ids, params.stop,
+            req.texts.append(TextState(self.tokenizer if self.detokenize else None, ids,
+                                       params.stop,
                                        params.skip_special_tokens))
             self.scheduler.add(seq)
         self.requests[request_id] = req

@@ -42,8 +42,9 @@ class TextState:
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...],
                  skip_special_tokens: bool):
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids,
-                                            skip_special_tokens=skip_special_tokens)
+        # tokenizer None: token ids only (benchmarks of random-weight models have no vocabulary)
+        self.detok = None if tokenizer is None else IncrementalDetokenizer(
+            tokenizer, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""       # everything decoded (up to a stop string, once found)
@@ -55,11 +56,11 @@ class TextState:
     def add(self, token_id: int) -> bool:
         """Append a token; returns True when a stop string has been reached."""
         self.token_ids.append(token_id)
-        return self._extend(self.detok.add(token_id))
+        return self._extend(self.detok.add(token_id)) if self.detok else False
 
     def finish(self) -> bool:
         """The sequence ended: release text the detokenizer still held."""
-        return self._extend(self.detok.flush())
+        return self._extend(self.detok.flush()) if self.detok else False
 
     def _extend(self, new: str) -> bool:
         before = len(self.text)

@@ -1,0 +1,221 @@
+"""python -m engine.bench: throughput and latency of the in-process engine (offline mode).
+
+    python -m engine.bench --num-prompts 64 --input-len 128 --output-len 128 --ignore-eos
+    python -m engine.bench --random-weights --config llama-3-8b --num-prompts 64 ...
+
+Metrics follow vLLM's benchmark: TTFT (request start -> first token), TPOT
+((E2E - TTFT) / (output tokens - 1)), E2E latency, request and token throughput.
+Each run also measures the machine's ceilings (matmul rate in the model's dtype,
+device copy bandwidth) and reports the achieved fraction of the matmul ceiling:
+dense FLOPs done per second (2 x non-embedding parameters per processed token, plus
+the LM head per sampled token; attention FLOPs not counted) over the matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_ceilings(dtype, m: int, k: int, n: int) -> dict:
+    """Matmul rate at the model's [batch x hidden x intermediate] shape, and copy bandwidth."""
+    a, b = jnp.ones((m, k), dtype), jnp.ones((k, n), dtype)
+    mm = jax.jit(lambda a, b: a @ b)
+    t = _best(lambda: mm(a, b).block_until_ready(), 30)
+    x = jnp.ones((64 << 20,), jnp.float32)  # 256 MB
+    cp = jax.jit(lambda x: x + 1)
+    tc = _best(lambda: cp(x).block_until_ready(), 10)
+    return {"matmul_flops_per_s": 2 * m * k * n / t, "matmul_shape": [m, k, n],
+            "copy_bytes_per_s": 2 * x.nbytes / tc}
+
+
+class _IdsOnly:
+    """Tokenizer stand-in for random-weight models: token ids in, token ids out."""
+
+    eos_token_ids: frozenset[int] = frozenset()
+    special_token_ids: frozenset[int] = frozenset()
+
+
+def build_engine(args) -> LLMEngine:
+    common = dict(dtype=args.dtype, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  block_size=args.block_size, attention_backend=args.attention_backend)
+    if args.random_weights:
+        from flax import nnx
+
+        from models.llama import Llama
+        from models.loader import resolve_dtype
+        from models.presets import preset_config
+
+        cfg = EngineConfig(model=f"random:{args.config}", **common)
+        model = Llama(preset_config(args.config), dtype=resolve_dtype(args.dtype),
+                      rngs=nnx.Rngs(args.seed), attention_backend=args.attention_backend)
+        return LLMEngine(cfg, runner=ModelRunner(cfg, model=model), tokenizer=_IdsOnly(),
+                         detokenize=False)
+    from models.default_model import fetch_default_model
+
+    cfg = EngineConfig(model=args.model or str(fetch_default_model()), **common)
+    return LLMEngine(cfg, detokenize=False)
+
+
+def make_requests(args, vocab: int, special: frozenset[int]):
+    rng = random.Random(args.seed)
+    lo_in = max(1, int(args.input_len * (1 - args.range_ratio)))
+    lo_out = max(1, int(args.output_len * (1 - args.range_ratio)))
+    usable = [t for t in range(min(vocab, 32000)) if t not in special]
+    reqs = []
+    for _ in range(args.num_prompts):
+        n_in = rng.randint(lo_in, args.input_len)
+        n_out = rng.randint(lo_out, args.output_len)
+        prompt = [rng.choice(usable) for _ in range(n_in)]
+        reqs.append((prompt, SamplingParams(temperature=args.temperature, max_tokens=n_out,
+                                            ignore_eos=args.ignore_eos, seed=rng.getrandbits(32))))
+    return reqs
+
+
+@dataclasses.dataclass
+class _Timing:
+    start: float
+    prompt_len: int
+    first: float | None = None
+    end: float | None = None
+    output_len: int = 0
+
+
+def run(engine: LLMEngine, requests, concurrency: int) -> tuple[dict[str, _Timing], float]:
+    pending = list(requests)
+    timings: dict[str, _Timing] = {}
+    in_flight = 0
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        while pending and in_flight < concurrency:
+            prompt, params = pending.pop(0)
+            rid = engine.add_request(prompt, params)
+            timings[rid] = _Timing(time.perf_counter(), len(prompt))
+            in_flight += 1
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            t = timings[out.request_id]
+            if t.first is None and out.outputs[0].token_ids:
+                t.first = now
+            if out.finished:
+                t.end, t.output_len = now, len(out.outputs[0].token_ids)
+                in_flight -= 1
+    return timings, time.perf_counter() - start
+
+
+def _stats(name: str, values_s: list[float]) -> dict:
+    ms = sorted(v * 1000 for v in values_s) or [float("nan")]
+    return {f"mean_{name}_ms": statistics.fmean(ms), f"median_{name}_ms": statistics.median(ms),
+            f"p99_{name}_ms": float(np.percentile(ms, 99))}
+
+
+def summarize(engine: LLMEngine, timings, duration: float, ceilings: dict) -> dict:
+    done = list(timings.values())
+    out_tokens = sum(t.output_len for t in done)
+    in_tokens = sum(t.prompt_len for t in done)
+    cfg = engine.runner.model_config
+    leaves = jax.tree.leaves(engine.runner.state)
+    n_params = sum(x.size for x in leaves)
+    embed = cfg.vocab_size * cfg.hidden_size
+    dense = n_params - embed - (0 if cfg.tie_word_embeddings else embed)
+    flops = 2 * dense * (in_tokens + out_tokens) + 2 * embed * out_tokens
+    achieved = flops / duration
+    res = {
+        "completed": len(done), "duration_s": duration,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        **_stats("ttft", [t.first - t.start for t in done]),
+        **_stats("tpot", [(t.end - t.first) / (t.output_len - 1) for t in done
+                          if t.output_len > 1]),
+        **_stats("e2el", [t.end - t.start for t in done]),
+        "achieved_dense_flops_per_s": achieved,
+        "ceiling_fraction": achieved / ceilings["matmul_flops_per_s"],
+        "compilations_after_warmup": engine.runner.compilations_after_warmup,
+        "num_preemptions": engine.scheduler.num_preemptions,
+    }
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="GGUF file, HF directory or Orbax checkpoint "
+                                   "(default: the default model)")
+    p.add_argument("--random-weights", action="store_true")
+    p.add_argument("--config", default="smollm2-135m", help="preset shape for --random-weights")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len*(1-r), len]; 0 = fixed")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--concurrency", type=int, default=None, help="default: all at once")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--attention-backend", default="reference")
+    p.add_argument("--output", help="write the results as JSON")
+    args = p.parse_args(argv)
+    if args.max_model_len is None:
+        args.max_model_len = -(-(args.input_len + args.output_len) // 16) * 16
+
+    engine = build_engine(args)
+    start = time.perf_counter()
+    engine.runner.warmup()
+    warmup_s = time.perf_counter() - start
+    cfg = engine.runner.model_config
+    ceilings = measure_ceilings(engine.runner.dtype, args.max_num_seqs, cfg.hidden_size,
+                                cfg.intermediate_size)
+    special = getattr(engine.tokenizer, "special_token_ids", frozenset())
+    requests = make_requests(args, cfg.vocab_size, special)
+    timings, duration = run(engine, requests, args.concurrency or args.num_prompts)
+    res = {"device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
+           "host": platform.processor() or platform.machine(), "jax": jax.__version__,
+           "model": engine.config.model, "dtype": str(np.dtype(engine.runner.dtype)),
+           "warmup_s": warmup_s, "num_buckets": len(engine.config.buckets()), **ceilings,
+           **summarize(engine, timings, duration, ceilings), "args": vars(args)}
+    width = max(len(k) for k in res)
+    for k, v in res.items():
+        if k != "args":
+            print(f"{k:<{width}}  {v:,.3f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0 if res["compilations_after_warmup"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
