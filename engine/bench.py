@@ -202,6 +202,12 @@ def main(argv=None) -> int:
     special = getattr(engine.tokenizer, "special_token_ids", frozenset())
     requests = make_requests(args, cfg.vocab_size, special)
     timings, duration = run(engine, requests, args.concurrency or args.num_prompts)
+    # Ceilings are peaks: measure again after the run and keep the better reading of each
+    # (a single reading on a shared VM can land on a busy moment).
+    again = measure_ceilings(engine.runner.dtype, args.max_num_seqs, cfg.hidden_size,
+                             cfg.intermediate_size)
+    for key in ("matmul_flops_per_s", "copy_bytes_per_s"):
+        ceilings[key] = max(ceilings[key], again[key])
     res = {"device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
            "host": platform.processor() or platform.machine(), "jax": jax.__version__,
            "model": engine.config.model, "dtype": str(np.dtype(engine.runner.dtype)),
