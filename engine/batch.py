@@ -14,6 +14,10 @@ import numpy as np
 from engine.config import EngineConfig
 from engine.scheduler import SchedulerOutput
 
+# Ids a row can be kept from picking (EOS + stop token ids before min_tokens); equals
+# ops.sampling.MAX_BANNED, which this bookkeeping module may not import.
+MAX_BANNED = 16
+
 
 @dataclasses.dataclass
 class StepBatch:
@@ -46,6 +50,7 @@ def sampling_arrays(num_seqs: int, width: int) -> dict[str, np.ndarray]:
         "output_tokens": np.full((num_seqs, width), -1, np.int32),
         "prompt_tokens": np.full((num_seqs, width), -1, np.int32),
         "num_top_logprobs": np.zeros(num_seqs, np.int32),
+        "banned_tokens": np.full((num_seqs, MAX_BANNED), -1, np.int32),
     }
 
 
@@ -63,7 +68,8 @@ def empty_batch(config: EngineConfig, bucket: tuple[int, int]) -> StepBatch:
     )
 
 
-def build_batch(config: EngineConfig, out: SchedulerOutput, seeds: dict[int, int]) -> StepBatch:
+def build_batch(config: EngineConfig, out: SchedulerOutput, seeds: dict[int, int],
+                eos_token_ids: frozenset[int] = frozenset()) -> StepBatch:
     """`seeds` maps seq_id -> the 64-bit seed of its sampling stream."""
     entries = out.scheduled
     batch = empty_batch(config, config.bucket_for(out.num_tokens, len(entries)))
@@ -82,13 +88,18 @@ def build_batch(config: EngineConfig, out: SchedulerOutput, seeds: dict[int, int
         row += n
         batch.query_start_loc[i + 1] = row
         batch.logits_indices[i] = row - 1
-        _fill_sampling(batch.sampling, i, seq, seeds.get(seq.seq_id, 0))
+        _fill_sampling(batch.sampling, i, seq, seeds.get(seq.seq_id, 0), eos_token_ids)
     batch.query_start_loc[len(entries) + 1:] = row
     return batch
 
 
-def _fill_sampling(arrays: dict[str, np.ndarray], i: int, seq, seed: int) -> None:
+def _fill_sampling(arrays: dict[str, np.ndarray], i: int, seq, seed: int,
+                   eos_token_ids: frozenset[int]) -> None:
     p = seq.params
+    if seq.num_output_tokens < p.min_tokens:  # EOS and stop tokens may not end it yet
+        banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids))
+        banned = banned[:MAX_BANNED]
+        arrays["banned_tokens"][i, :len(banned)] = banned
     arrays["temperature"][i] = p.temperature
     arrays["top_k"][i] = p.top_k
     arrays["top_p"][i] = p.top_p

@@ -102,7 +102,8 @@ class LLMEngine:
             if entry.seq.seq_id in self._by_seq:
                 req = self._by_seq[entry.seq.seq_id][0]
                 req.num_cached_tokens = max(req.num_cached_tokens, entry.seq.num_cached_tokens)
-        result = self.runner.run(build_batch(self.config, out, self._seeds))
+        result = self.runner.run(build_batch(self.config, out, self._seeds,
+                                             self.tokenizer.eos_token_ids))
         sampled = [int(result.token_ids[i]) if e.samples else None
                    for i, e in enumerate(out.scheduled)]
         self.scheduler.postprocess(out, sampled)

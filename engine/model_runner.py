@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from engine.batch import StepBatch, empty_batch
 from engine.config import EngineConfig
@@ -114,11 +116,15 @@ class ModelRunner:
         logger.info("Beginning dummy run.")
         start = time.perf_counter()
         buckets = self.config.buckets()
+        bar = tqdm(total=len(buckets), desc="Compiling buckets", unit="bucket",
+                   disable=not sys.stderr.isatty() or bool(os.environ.get("XLASERVE_NO_PROGRESS")))
         for n, bucket in enumerate(buckets, 1):
             self._executables[bucket] = self.compile_bucket(bucket)
             self.run(empty_batch(self.config, bucket))
+            bar.update()
             if progress is not None:
                 progress(n, len(buckets), bucket)
+        bar.close()
         self.warm = True
         elapsed = time.perf_counter() - start
         logger.info("Dummy run completed in %.2fs.", elapsed)

@@ -79,6 +79,8 @@ class SamplingParams:
             bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "token ids must be non-negative")
+        if len(self.stop_token_ids) > 12:  # with up to 4 EOS ids: the sampler's ban list (16)
+            bad("stop_token_ids", f"at most 12 stop token ids, got {len(self.stop_token_ids)}")
         if not 1 <= self.n <= 16:
             bad("n", f"must be in [1, 16], got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 
 NUM_TOP_LOGPROBS = 20  # top logprobs computed per row; the engine slices to the requested N
+MAX_BANNED = 16        # ids per row that min_tokens can keep from being picked
 CANDIDATES = 64        # best tokens from which top-k / top-p cutoffs are read without bisection
 BLOCK = 256            # vocabulary block of the two-level argmax and inverse-CDF draw
 
@@ -49,6 +50,8 @@ class SamplingMetadata:
     output_tokens: jax.Array       # [S, L] i32: generated tokens, padded with -1
     prompt_tokens: jax.Array       # [S, P] i32: prompt tokens, padded with -1
     num_top_logprobs: jax.Array    # [S] i32: top logprobs the row wants; all 0 skips the top-20
+    banned_tokens: jax.Array       # [S, B] i32: ids the row may not pick now, padded with -1
+                                   # (EOS and stop tokens before min_tokens is reached)
 
     @classmethod
     def dummy(cls, num_seqs: int, max_output_len: int = 1, max_prompt_len: int = 1):
@@ -68,6 +71,7 @@ class SamplingMetadata:
             output_tokens=np.full((s, max_output_len), -1, np.int32),
             prompt_tokens=np.full((s, max_prompt_len), -1, np.int32),
             num_top_logprobs=np.zeros(s, np.int32),
+            banned_tokens=np.full((s, MAX_BANNED), -1, np.int32),
         )
 
 
@@ -343,9 +347,19 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SampleOutput:
     top_ids, top_logprobs = lax.cond(jnp.any(md.num_top_logprobs > 0), _top_logprobs,
                                      _no_top_logprobs, logits, lse)
 
+    # Banned ids (min_tokens) are masked for the pick only; logprobs stay raw. Rows whose
+    # every id is banned cannot occur: the engine bans at most MAX_BANNED of V ids.
+    logits_for_pick = lax.cond(jnp.any(md.banned_tokens >= 0), _ban, lambda x, _: x, logits,
+                               md.banned_tokens)
     # The whole pick sits inside the penalty cond so that the common no-penalty branch reads
     # the logits in place: a cond that returned [S, V] logits would copy them.
     token_ids = lax.cond(_penalties_active(md), lambda x, md: _pick(_penalize(x, md), md),
-                         _pick, logits, md)
+                         _pick, logits_for_pick, md)
     logprobs = (jnp.take_along_axis(logits, token_ids[:, None], axis=-1) - lse)[:, 0]
     return SampleOutput(token_ids, logprobs, top_ids, top_logprobs)
+
+
+def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
+    rows = jnp.arange(logits.shape[0])[:, None]
+    ids = jnp.where(banned >= 0, banned, logits.shape[1])  # -1 padding -> out of range, dropped
+    return logits.at[rows, ids].set(-jnp.inf, mode="drop")

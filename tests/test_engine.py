@@ -190,3 +190,20 @@ def test_requests_that_can_never_fit_are_rejected(engine):
         engine.add_request("hello", SamplingParams(max_tokens=600))
     with pytest.raises(RequestRejected, match="empty"):
         engine.add_request([], SamplingParams())
+
+
+def test_min_tokens_keeps_eos_from_being_picked(engine):
+    from models.chat_template import ChatTemplate
+
+    text = ChatTemplate.for_tokenizer(engine.tokenizer).render(
+        [{"role": "user", "content": "Reply with the single word: yes"}],
+        add_generation_prompt=True)
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    short = engine.generate([ids], SamplingParams(temperature=0, max_tokens=60))[0].outputs[0]
+    assert short.finish_reason == "stop"  # the model ends its reply by itself
+    n = len(short.token_ids) + 4  # EOS came at n - 5: now it must not
+    long = engine.generate([ids], SamplingParams(temperature=0, max_tokens=n + 8,
+                                                 min_tokens=n))[0].outputs[0]
+    assert len(long.token_ids) >= n
+    assert not set(long.token_ids[:n]) & engine.tokenizer.eos_token_ids
+    assert long.token_ids[:len(short.token_ids) - 1] == short.token_ids[:-1]

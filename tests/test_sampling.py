@@ -338,3 +338,16 @@ def test_new_parameter_values_do_not_recompile():
         md.output_tokens[:, 0] = seed
         jax.block_until_ready(sample_jit(jnp.asarray(logits), md))
     assert TRACES.count(jax.tree.map(jnp.shape, (logits, md))) == 1
+
+
+def test_banned_tokens_are_never_picked_and_logprobs_stay_raw():
+    # Row 0 greedy, row 1 sampled at a high temperature: token 1 (the argmax) and 5 banned.
+    md = metadata(2, temperature=np.array([0.0, 2.0], np.float32))
+    md.banned_tokens[:, :2] = [1, 5]
+    logits = np.stack([LOGITS, LOGITS])
+    out = sample_jit(jnp.asarray(logits), md)
+    assert int(out.token_ids[0]) == 3  # the best token that is not banned
+    draws = sample_jit(jnp.asarray(np.tile(LOGITS, (DRAWS, 1))), rows(
+        [metadata(DRAWS, temperature=2.0, banned_tokens=np.array([1, 5] + [-1] * 14))]))
+    assert not np.isin(np.asarray(draws.token_ids), [1, 5]).any()
+    np.testing.assert_allclose(np.asarray(out.logprobs[0]), log_softmax64(LOGITS)[3], rtol=1e-5)
