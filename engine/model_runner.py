@@ -11,19 +11,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 import threading
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from engine.batch import StepBatch, empty_batch
 from engine.config import EngineConfig
+from models.default_model import user_cache_dir
 from models.loader import load_model
+from models.progress import progress_bar
 from ops.attention import AttentionMetadata, KVCache
 from ops.sampling import SamplingMetadata, sample
 
@@ -32,9 +31,8 @@ logger = logging.getLogger(__name__)
 
 def enable_compilation_cache(directory: str | None = None) -> None:
     """Persistent XLA compilation cache under the user cache, so a restart is fast."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     directory = directory or os.environ.get("XLASERVE_COMPILE_CACHE") or str(
-        Path(base) / "xlaserve" / "jax")
+        user_cache_dir() / "jax")
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -116,8 +114,7 @@ class ModelRunner:
         logger.info("Beginning dummy run.")
         start = time.perf_counter()
         buckets = self.config.buckets()
-        bar = tqdm(total=len(buckets), desc="Compiling buckets", unit="bucket",
-                   disable=not sys.stderr.isatty() or bool(os.environ.get("XLASERVE_NO_PROGRESS")))
+        bar = progress_bar(total=len(buckets), desc="Compiling buckets", unit="bucket")
         for n, bucket in enumerate(buckets, 1):
             self._executables[bucket] = self.compile_bucket(bucket)
             self.run(empty_batch(self.config, bucket))

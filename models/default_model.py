@@ -26,9 +26,14 @@ class FetchError(RuntimeError):
     pass
 
 
-def cache_dir() -> Path:
+def user_cache_dir() -> Path:
+    """xlaserve's directory in the user cache ($XDG_CACHE_HOME/xlaserve)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "xlaserve" / "models"
+    return Path(base) / "xlaserve"
+
+
+def cache_dir() -> Path:
+    return user_cache_dir() / "models"
 
 
 def default_model_path() -> Path:

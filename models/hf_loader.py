@@ -34,7 +34,6 @@ def safetensors_files(directory: str | Path) -> list[Path]:
 
 def load_hf_params(directory: str | Path, cfg: ModelConfig, dtype) -> dict:
     files = safetensors_files(directory)
-    handles = []
     items = []
     for file in files:
         try:
@@ -42,7 +41,6 @@ def load_hf_params(directory: str | Path, cfg: ModelConfig, dtype) -> dict:
             f = safe_open(str(file), framework="flax")
         except (SafetensorError, OSError) as e:
             raise WeightError(f"{file}: cannot open safetensors file ({e})") from e
-        handles.append(f)
         for name in f.keys():
             items.append((name, f"{name} in {file.name}", lambda f=f, n=name: _host(f, n)))
     return assemble_params(cfg, items, source=str(directory), dtype=dtype, total=len(items))

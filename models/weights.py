@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from models.config import ModelConfig
 from models.llama import Llama, param_specs
+from models.progress import progress_bar
 
 
 class WeightError(ValueError):
@@ -95,8 +94,8 @@ def assemble_params(
     np_dtype = jnp.dtype(dtype)
     buffers = {name: np.empty(spec.shape, np_dtype) for name, spec in specs.items()}
     filled: set[str] = set()
-    bar = tqdm(tensors, total=total, desc=f"Loading {os.path.basename(source)}", unit="tensor",
-               disable=not sys.stderr.isatty() or bool(os.environ.get("XLASERVE_NO_PROGRESS")))
+    bar = progress_bar(tensors, total=total, desc=f"Loading {os.path.basename(source)}",
+                       unit="tensor")
     for hf_name, shown, load in bar:
         rule = rules.get(hf_name)
         if rule is None:
