@@ -21,6 +21,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.scheduler import RequestRejected
+from models.chat_template import ChatTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +39,61 @@ class UnknownModel(KeyError):
     pass
 
 
-@dataclasses.dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0               # fraction of usable KV blocks held by sequences
+    num_free_blocks: int = 0
+    num_usable_blocks: int = 0
+    prefix_cache_queries: int = 0       # full blocks looked up in the prefix cache
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_aborted: int = 0                # requests aborted unfinished (clients that left)
+    compilations_after_warmup: int = 0
+    num_restarts: int = 0
+    alive: bool = True
+    warm: bool = False
 
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+class RequestStream:
+    """One request's outputs as an async iterator. The engine thread feeds it through
+    `call_soon_threadsafe`; `close()` before the last output aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, prompt_token_ids: list[int]):
+        self.engine = engine
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self._closed = False
+
+    def put(self, item) -> None:  # engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+            self.close()
+        return item
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self.finished:
+                self.engine._streams.pop(self.request_id, None)
+            else:
+                self.engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -57,8 +107,10 @@ class AsyncEngine:
         self.num_restarts = 0
         self.alive = True
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
+        self._chat_template = None
+        self._retired = EngineStats()  # counters of engines that died
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}",
                                         daemon=True)
@@ -75,40 +127,83 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return self._inbox.qsize() + len(self.engine.scheduler.waiting)
 
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                          request_id: str | None = None,
+                          add_special_tokens: bool = True) -> RequestStream:
+        """Validate and queue a request; its outputs come from the returned stream. Rejections
+        (too long, empty, overloaded, engine down) raise here, before anything is queued."""
+        self._check_accepting()
+        params = params or SamplingParams()
+        ids = await self.encode(prompt, add_special_tokens)
+        self.engine.scheduler.check_fits(len(ids), params.max_tokens)
+        self._check_accepting()  # it may have changed while tokenizing
+        request_id = request_id or f"{self.name}-{next(self._ids)}"
+        if request_id in self._streams:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        stream = RequestStream(self, request_id, ids)
+        self._streams[request_id] = stream
+        self._inbox.put(("add", request_id, ids, params))
+        return stream
+
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield outputs as they come; the last one has `finished` set. Leaving the
         iterator early (a client disconnect) aborts the request."""
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def _check_accepting(self) -> None:
         if not self.alive:
             raise EngineDeadError(f"engine {self.name} is rebooting")
         if self.num_waiting >= self.config.max_waiting_requests:
             raise EngineOverloaded(f"engine {self.name} has {self.num_waiting} waiting "
                                    f"requests (limit {self.config.max_waiting_requests})")
-        params = params or SamplingParams()
+
+    async def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt, tokenized off the event loop."""
         loop = asyncio.get_running_loop()
-        # Tokenize off the event loop; rejects (too long, empty) raise here, before queueing.
-        ids = await loop.run_in_executor(None, self.engine.encode, prompt)
-        self.engine.scheduler.check_fits(len(ids), params.max_tokens)
-        request_id = request_id or f"{self.name}-{next(self._ids)}"
-        stream = _Stream(loop, asyncio.Queue())
-        self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, ids, params))
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+        return await loop.run_in_executor(None, self.engine.encode, prompt, add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text (for logprobs); partial UTF-8 shows as U+FFFD."""
+        return [self.tokenizer.decode([i]) for i in ids]
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **extra) -> str:
+        """The prompt text for a chat; ValueError names what is wrong with the messages."""
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.for_tokenizer(self.tokenizer)
+        return self._chat_template.render(messages, add_generation_prompt, **extra)
+
+    def stats(self) -> EngineStats:
+        """A snapshot for metrics; counters include engines that died and were rebuilt."""
+        engine, done = self.engine, self._retired
+        bm, sched = engine.block_manager, engine.scheduler
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=self.num_waiting,
+            kv_usage=bm.usage, num_free_blocks=bm.num_free_blocks,
+            num_usable_blocks=bm.num_usable_blocks,
+            prefix_cache_queries=done.prefix_cache_queries + bm.prefix_cache_queries,
+            prefix_cache_hits=done.prefix_cache_hits + bm.prefix_cache_hits,
+            num_preemptions=done.num_preemptions + sched.num_preemptions,
+            num_aborted=done.num_aborted + engine.num_aborted,
+            compilations_after_warmup=(done.compilations_after_warmup
+                                       + engine.runner.compilations_after_warmup),
+            num_restarts=self.num_restarts, alive=self.alive, warm=engine.runner.warm)
 
     def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
         self._inbox.put(("abort", request_id))
 
     def shutdown(self) -> None:
@@ -177,6 +272,16 @@ class AsyncEngine:
                 break
             if cmd[0] == "add":
                 self._send(cmd[1], failed)
+        old = self.engine
+        self._retired = dataclasses.replace(
+            self._retired,
+            prefix_cache_queries=self._retired.prefix_cache_queries
+            + old.block_manager.prefix_cache_queries,
+            prefix_cache_hits=self._retired.prefix_cache_hits + old.block_manager.prefix_cache_hits,
+            num_preemptions=self._retired.num_preemptions + old.scheduler.num_preemptions,
+            num_aborted=self._retired.num_aborted + old.num_aborted,
+            compilations_after_warmup=self._retired.compilations_after_warmup
+            + old.runner.compilations_after_warmup)
         while not self._stopping:
             try:
                 self.engine = self._build()

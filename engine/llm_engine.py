@@ -7,6 +7,7 @@ model runner and returns the outputs that changed; `generate` loops until done.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import random
 from collections.abc import Sequence as Seq
 
@@ -47,16 +48,29 @@ class LLMEngine:
         self.block_manager = BlockManager(config.total_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.tokenizer.eos_token_ids)
+        model_cfg = getattr(self.runner, "model_config", None)  # fake runners in tests have none
+        self.vocab_size: int | None = (model_cfg.vocab_size if model_cfg is not None
+                                       else getattr(self.tokenizer, "vocab_size", None))
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, tuple[Request, int]] = {}
         self._seeds: dict[int, int] = {}
         self._rng = random.Random(config.seed)
         self._next_id = 0
+        self.num_aborted = 0  # requests aborted before they finished (client gone)
 
     # ---- requests ------------------------------------------------------------------------
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt; ids given directly are checked against the vocabulary."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        ids = list(prompt)
+        for i in ids:
+            if not isinstance(i, numbers.Integral) or isinstance(i, bool) or i < 0 or (
+                    self.vocab_size is not None and i >= self.vocab_size):
+                raise RequestRejected(f"prompt token id {i!r} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})")
+        return [int(i) for i in ids]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -85,6 +99,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return None
+        self.num_aborted += 1
         for seq in req.seqs:
             self.scheduler.finish(seq, "abort")
         return self._output(req, list(range(len(req.seqs))))

@@ -5,50 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 
-import numpy as np
 import pytest
+from fakes import make_engine
 
 from engine.async_engine import (
-    AsyncEngine,
     EngineDeadError,
     EngineOverloaded,
     Engines,
     UnknownModel,
 )
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected
-
-
-class FakeRunner:
-    def __init__(self, step: int = 1):
-        self.step, self.warm, self.compilations_after_warmup = step, False, 0
-        self.fail_next = False
-        self.gate = threading.Event()
-        self.gate.set()
-        self.calls, self.pause_after = 0, None  # pause_after: block from that call on
-
-    def warmup(self):
-        self.warm = True
-        return 0.0
-
-    def run(self, batch):
-        self.calls += 1
-        if self.calls == self.pause_after:
-            self.gate.clear()
-        self.gate.wait()
-        if self.fail_next:
-            self.fail_next = False
-            raise RuntimeError("injected fault")
-        n = batch.num_seqs
-        ids = (batch.tokens[batch.logits_indices[:n]] + self.step).astype(np.int32)
-        return StepResult(ids, np.zeros(n, np.float32), np.zeros((n, 20), np.int32),
-                          np.zeros((n, 20), np.float32))
 
 
 @pytest.fixture(scope="module")
@@ -56,18 +25,6 @@ def tokenizer(default_gguf):
     from models.tokenizer import Tokenizer
 
     return Tokenizer.from_path(default_gguf)
-
-
-def make_engine(tokenizer, name="fake", step=1, **over):
-    cfg = EngineConfig(model="fake", name=name, max_model_len=128, max_num_seqs=8,
-                       max_num_batched_tokens=32, **over)
-    runners = []
-
-    def factory(c):
-        runners.append(FakeRunner(step))
-        return LLMEngine(c, runner=runners[-1], tokenizer=tokenizer)
-
-    return AsyncEngine(cfg, factory), runners
 
 
 async def collect(engine, prompt, params):

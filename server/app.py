@@ -1,0 +1,187 @@
+"""The Starlette app: routes, error handlers and middleware around a set of engines.
+
+    app = build_app(engines, api_key="...")      # then uvicorn.run(app, ...)
+
+Handlers are thin: parse and validate the body, pick the engine, call it, shape
+the answer. Every failure leaves as an OpenAI-shaped error with its status.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import metadata
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine.async_engine import AsyncEngine, Engines
+from server.errors import APIError, api_error
+from server.generation import create_chat_completion, create_completion
+from server.metrics import ServerMetrics
+from server.middleware import APIKeyAuth, RequestLimits
+from server.openapi import openapi_schema
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+MAX_BODY_BYTES = 8 << 20
+MAX_HEADERS = 100
+
+
+def _version() -> str:
+    try:
+        return metadata.version("xlaserve")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class Server:
+    """The state the handlers share: the engines and the metrics."""
+
+    def __init__(self, engines: Engines):
+        self.engines = engines
+        self.metrics = ServerMetrics(engines)
+        self.created = int(time.time())
+
+    def engine(self, model: str | None) -> tuple[str, AsyncEngine]:
+        names = self.engines.names()
+        if model is None:
+            if len(names) != 1:
+                raise APIError(400, f"model is required; served models: {', '.join(names)}",
+                               param="model")
+            model = names[0]
+        return model, self.engines[model]  # UnknownModel -> 404
+
+    # ---- handlers -----------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        req = CompletionRequest.model_validate(await _json(request))
+        model, engine = self.engine(req.model)
+        return await create_completion(request, req, model, engine, self.metrics.tracker(model))
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = ChatCompletionRequest.model_validate(await _json(request))
+        model, engine = self.engine(req.model)
+        return await create_chat_completion(request, req, model, engine,
+                                            self.metrics.tracker(model))
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card(name)
+                                                        for name in self.engines.names()]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        self.engines[name]  # noqa: B018 (UnknownModel -> 404)
+        return JSONResponse(self._model_card(name))
+
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "xlaserve",
+                "root": self.engines[name].config.model,
+                "max_model_len": self.engines[name].max_model_len}
+
+    async def tokenize(self, request: Request) -> Response:
+        req = TokenizeRequest.model_validate(await _json(request))
+        model, engine = self.engine(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            try:
+                text = engine.render_chat([m.for_template() for m in req.messages],
+                                          req.add_generation_prompt)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+            ids = await engine.encode(text, add_special_tokens=False)
+        else:
+            ids = await engine.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len,
+                             "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        req = DetokenizeRequest.model_validate(await _json(request))
+        model, engine = self.engine(req.model)
+        ids = await engine.encode(req.tokens)  # checks the ids against the vocabulary
+        return JSONResponse({"prompt": engine.decode(ids)})
+
+    async def health(self, request: Request) -> Response:
+        down = [name for name in self.engines.names()
+                if not (s := self.engines[name].stats()).alive or not s.warm]
+        if down:
+            return APIError(503, f"not ready: {', '.join(down)}").response()
+        return Response(status_code=200)
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_schema(_version()))
+
+
+async def _json(request: Request) -> object:
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}") from None
+
+
+def _guarded(handler):
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except Exception as e:
+            return api_error(e).response()
+    return endpoint
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    message = {404: f"no route for {request.method} {request.scope['path']}",
+               405: f"method {request.method} is not allowed on {request.scope['path']}"}
+    return APIError(exc.status_code, message.get(exc.status_code, exc.detail),
+                    headers=exc.headers).response()
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return exc.response()
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return api_error(exc).response()
+
+
+def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[str] = (),
+              max_body_bytes: int = MAX_BODY_BYTES, max_headers: int = MAX_HEADERS) -> Starlette:
+    server = Server(engines)
+    routes = [
+        Route("/v1/completions", _guarded(server.completions), methods=["POST"]),
+        Route("/v1/chat/completions", _guarded(server.chat_completions), methods=["POST"]),
+        Route("/v1/models", _guarded(server.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", _guarded(server.model), methods=["GET"]),
+        Route("/tokenize", _guarded(server.tokenize), methods=["POST"]),
+        Route("/detokenize", _guarded(server.detokenize), methods=["POST"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_text, methods=["GET"]),
+        Route("/openapi.json", server.openapi, methods=["GET"]),
+    ]
+    # Outermost first: CORS answers preflights itself; limits come before auth reads anything.
+    middleware = []
+    if cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
+                                     allow_methods=["*"], allow_headers=["*"]))
+    middleware.append(Middleware(RequestLimits, max_body_bytes=max_body_bytes,
+                                 max_headers=max_headers))
+    if api_key:
+        middleware.append(Middleware(APIKeyAuth, api_key=api_key))
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={
+        HTTPException: _http_error, APIError: _api_error, Exception: _server_error})
+    app.state.server = server
+    return app

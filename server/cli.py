@@ -1,0 +1,97 @@
+"""`python -m server` / `xlaserve`: load the models, warm them up, then serve the OpenAI API.
+
+    python -m server                                   # the default model on 127.0.0.1:8000
+    python -m server --model ./Llama-3.2-1B-Instruct --port 8080 --api-key secret
+    python -m server --model small=./a.gguf --model big=./b --max-num-seqs 32
+
+Flags are named as in vLLM where vLLM has them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+
+import uvicorn
+
+from engine.launch import parse_model_arg, start_engines
+from server.app import MAX_BODY_BYTES, MAX_HEADERS, build_app
+
+logger = logging.getLogger("server")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH",
+                   help="GGUF file, HF directory or Orbax checkpoint; repeat for several models "
+                        "(default: SmolLM2-135M-Instruct, fetched if missing)")
+    p.add_argument("--served-model-name", help="the name clients use (one model only; default: "
+                                               "the file or directory name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("XLASERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (env XLASERVE_API_KEY)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
+    p.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=16,
+                   help="tokens per KV page")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help="KV pages per model, including the reserved page 0")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="fill this fraction of device memory (RAM on CPU) with weights and KV "
+                        "pages; default: pages for every sequence at full length, capped at "
+                        "0.9 of an accelerator or 0.3 of RAM")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="past this many waiting requests, new ones get 429")
+    p.add_argument("--attention-backend", default="reference")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cors-origins", "--allowed-origins", dest="cors_origins", nargs="*",
+                   default=[], help="origins allowed by CORS (none by default)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
+    p.add_argument("--max-headers", type=int, default=MAX_HEADERS)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    try:
+        specs = [parse_model_arg(m) for m in (args.model or [None])]
+        if args.served_model_name:
+            if len(specs) != 1:
+                raise ValueError("--served-model-name needs exactly one --model; "
+                                 "name several models with --model NAME=PATH")
+            specs[0] = dataclasses.replace(specs[0], name=args.served_model_name)
+        engines = start_engines(
+            specs, memory_fraction=args.gpu_memory_utilization, dtype=args.dtype,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.page_size,
+            num_blocks=args.num_pages, enable_prefix_caching=args.enable_prefix_caching,
+            attention_backend=args.attention_backend,
+            max_waiting_requests=args.max_waiting_requests, seed=args.seed)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        logger.error("cannot start: %s", e)
+        return 2
+    app = build_app(engines, api_key=args.api_key, cors_origins=args.cors_origins,
+                    max_body_bytes=args.max_body_bytes, max_headers=args.max_headers)
+    logger.info("Serving %s on http://%s:%d", ", ".join(engines.names()), args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        engines.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

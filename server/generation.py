@@ -1,0 +1,292 @@
+"""POST /v1/completions and /v1/chat/completions: prompts in, choices out, whole or streamed.
+
+A request's prompts (a batch for completions, one rendered chat otherwise) each
+become one engine request with `n` sequences; choice `i * n + j` is sequence `j`
+of prompt `i`. Whatever way the HTTP exchange ends (done, error, client gone), every
+engine request it started is closed, which aborts the unfinished ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine.async_engine import AsyncEngine, RequestStream
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from server.errors import APIError, api_error
+from server.metrics import RequestTracker
+from server.protocol import ChatCompletionRequest, CompletionRequest
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class Generation:
+    """One completions or chat request from start to its last byte."""
+
+    def __init__(self, chat: bool, model: str, engine: AsyncEngine, params: SamplingParams,
+                 tracker: RequestTracker, echo: bool = False, include_usage: bool = False,
+                 return_token_ids: bool = False):
+        self.chat = chat
+        self.model = model
+        self.engine = engine
+        self.params = params
+        self.tracker = tracker
+        self.echo = echo
+        self.include_usage = include_usage
+        self.return_token_ids = return_token_ids
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.streams: list[RequestStream] = []
+        self.prompt_texts: list[str] = []
+        self.last: dict[int, RequestOutput] = {}
+
+    async def start(self, prompts: list[str | list[int]], add_special_tokens: bool) -> None:
+        try:
+            for i, prompt in enumerate(prompts):
+                stream = await self.engine.add_request(prompt, self.params, f"{self.id}-{i}",
+                                                       add_special_tokens)
+                self.streams.append(stream)
+                self.tracker.accepted(len(stream.prompt_token_ids))
+                if self.echo:
+                    self.prompt_texts.append(prompt if isinstance(prompt, str)
+                                             else self.engine.decode(prompt))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from all prompts as they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream):
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            except Exception as e:
+                queue.put_nowait((i, e))
+            queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                self.tracker.output(item)
+                self.last[i] = item
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.close()
+
+    # ---- whole responses ----------------------------------------------------------------
+
+    async def response(self, request: Request) -> Response:
+        collect = asyncio.create_task(self._collect())
+        gone = asyncio.create_task(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client left: abort everything, answer no one
+                collect.cancel()
+                self.close()
+        if not collect.done():
+            return Response(status_code=499)
+        collect.result()  # engine errors raise here
+        choices = []
+        for i in range(len(self.streams)):
+            for c in self.last[i].outputs:
+                choices.append(self._choice(i, c))
+        return JSONResponse({"id": self.id, "object": self._object(False),
+                             "created": self.created, "model": self.model,
+                             "choices": choices, "usage": self.usage()})
+
+    async def _collect(self) -> None:
+        async for _ in self.outputs():
+            pass
+
+    def _choice(self, i: int, c: CompletionOutput) -> dict:
+        index = i * self.params.n + c.index
+        if self.chat:
+            choice = {"index": index, "message": {"role": "assistant", "content": c.text},
+                      "logprobs": self._chat_logprobs(c.logprobs),
+                      "finish_reason": _FINISH.get(c.finish_reason)}
+        else:
+            prefix = self.prompt_texts[i] if self.echo else ""
+            choice = {"index": index, "text": prefix + c.text,
+                      "logprobs": self._completion_logprobs(c.logprobs, len(prefix)),
+                      "finish_reason": _FINISH.get(c.finish_reason)}
+        if self.return_token_ids:
+            choice.update(prompt_token_ids=self.streams[i].prompt_token_ids,
+                          token_ids=c.token_ids)
+        return choice
+
+    def usage(self) -> dict:
+        prompt = sum(len(s.prompt_token_ids) for s in self.streams)
+        completion = sum(len(c.token_ids) for out in self.last.values() for c in out.outputs)
+        cached = sum(out.num_cached_tokens for out in self.last.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _object(self, chunk: bool) -> str:
+        if self.chat:
+            return "chat.completion.chunk" if chunk else "chat.completion"
+        return "text_completion"
+
+    # ---- logprobs -----------------------------------------------------------------------
+
+    def _completion_logprobs(self, lps: list[TokenLogprob] | None, offset: int) -> dict | None:
+        if lps is None:
+            return None
+        tokens = self.engine.token_texts([lp.token_id for lp in lps])
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
+                "top_logprobs": [
+                    {text: _finite(v) for text, (_, v) in zip(
+                        self.engine.token_texts([t for t, _ in lp.top]), lp.top, strict=True)}
+                    for lp in lps],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, lps: list[TokenLogprob] | None) -> dict | None:
+        if lps is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.engine.token_texts([token_id])[0]
+            return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
+
+    # ---- streams ------------------------------------------------------------------------
+
+    def stream_response(self) -> Response:
+        return _ClosingStream(self._events(), self.close, media_type="text/event-stream",
+                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self) -> AsyncIterator[str]:
+        n = self.params.n
+        finished: set[int] = set()
+        try:
+            if self.chat:  # the role comes first, once per choice, as OpenAI sends it
+                for index in range(len(self.streams) * n):
+                    yield self._chunk(index, {"role": "assistant", "content": ""}, None, None)
+            elif self.echo:
+                for i, text in enumerate(self.prompt_texts):
+                    for j in range(n):
+                        yield self._chunk(i * n + j, text, None, None)
+            async for i, out in self.outputs():
+                for c in out.outputs:
+                    index = i * n + c.index
+                    if index in finished:
+                        continue
+                    lps = c.logprobs[-len(c.delta_token_ids):] if (
+                        c.logprobs is not None and c.delta_token_ids) else None
+                    if not (c.delta or lps or c.finish_reason):
+                        continue
+                    logprobs = (self._chat_logprobs(lps) if self.chat
+                                else self._completion_logprobs(lps, 0)) if lps else None
+                    content = ({"content": c.delta} if c.delta or not c.finish_reason else {}
+                               ) if self.chat else c.delta
+                    yield self._chunk(index, content, logprobs, _FINISH.get(c.finish_reason),
+                                      c.delta_token_ids)
+                    if c.finish_reason:
+                        finished.add(index)
+            if self.include_usage:
+                yield _sse({"id": self.id, "object": self._object(True),
+                            "created": self.created, "model": self.model, "choices": [],
+                            "usage": self.usage()})
+        except Exception as e:  # mid-stream failure: an error event, then [DONE]
+            yield _sse(api_error(e).body())
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, index: int, content, logprobs, finish_reason,
+               token_ids: list[int] = ()) -> str:
+        choice = ({"index": index, "delta": content} if self.chat
+                  else {"index": index, "text": content})
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        body = {"id": self.id, "object": self._object(True), "created": self.created,
+                "model": self.model, "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return _sse(body)
+
+
+class _ClosingStream(StreamingResponse):
+    """A streamed response that closes its engine requests however it ends (even when
+    the client leaves before the first byte, when the body iterator never starts)."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _finite(logprob: float) -> float:
+    return max(float(logprob), -9999.0)  # JSON has no -inf
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- the two endpoints ----------------------------------------------------------------------
+
+
+async def create_completion(request: Request, req: CompletionRequest, model: str,
+                            engine: AsyncEngine, tracker: RequestTracker) -> Response:
+    prompts = req.prompts()
+    if not prompts:
+        raise APIError(400, "prompt is empty", param="prompt")
+    gen = Generation(False, model, engine, req.to_sampling_params(), tracker, echo=req.echo,
+                     include_usage=req.include_usage, return_token_ids=req.return_token_ids)
+    await gen.start(prompts, add_special_tokens=True)
+    return gen.stream_response() if req.stream else await gen.response(request)
+
+
+async def create_chat_completion(request: Request, req: ChatCompletionRequest, model: str,
+                                 engine: AsyncEngine, tracker: RequestTracker) -> Response:
+    params = req.to_sampling_params()
+    try:
+        prompt = engine.render_chat([m.for_template() for m in req.messages],
+                                    req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+    gen = Generation(True, model, engine, params, tracker, include_usage=req.include_usage,
+                     return_token_ids=req.return_token_ids)
+    # The template writes the special tokens (BOS included) itself.
+    await gen.start([prompt], add_special_tokens=False)
+    return gen.stream_response() if req.stream else await gen.response(request)

@@ -1,0 +1,261 @@
+"""The HTTP layer against fake engines (next token = previous + 1): every error case has its
+status and the OpenAI error shape, auth and limits hold, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from fakes import make_engine
+from starlette.testclient import TestClient
+
+from engine.async_engine import Engines
+from server.app import build_app
+
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_gguf):
+    from models.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(default_gguf)
+
+
+@pytest.fixture
+def served(tokenizer):
+    """(client, engine, runners) for one fake model named 'fake', behind an API key."""
+    engine, runners = make_engine(tokenizer, name="fake", max_waiting_requests=1)
+    app = build_app(Engines({"fake": engine}), api_key=KEY, max_body_bytes=4096,
+                    max_headers=40, cors_origins=["http://ui.example"])
+    with TestClient(app, headers=AUTH) as client:
+        yield client, engine, runners
+    for r in runners:
+        r.gate.set()
+    engine.shutdown()
+
+
+def all_free(engine) -> bool:
+    bm = engine.engine.block_manager
+    return bm.num_free_blocks == bm.num_usable_blocks and not engine.engine.has_unfinished()
+
+
+def wait_until(cond, timeout=5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def assert_error(r, status, param=None, match=None, code=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if match is not None:
+        assert match in err["message"], err
+    if code is not None:
+        assert err["code"] == code, err
+
+
+def complete(client, **body):
+    return client.post("/v1/completions", json={"model": "fake", "max_tokens": 3,
+                                                "temperature": 0, "ignore_eos": True, **body})
+
+
+def test_good_request_tokens_are_the_fake_sequence(served):
+    client, engine, _ = served
+    r = complete(client, prompt=[100, 200], return_token_ids=True)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == [201, 202, 203] and choice["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == 3
+    assert wait_until(lambda: all_free(engine))
+
+
+BAD_REQUESTS = [  # (body, param, words the message must carry)
+    ({"prompt": "hi", "temperature": -1}, "temperature", "temperature"),
+    ({"prompt": "hi", "n": 0}, "n", "n: must be in [1, 16]"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"prompt": "hi", "top_p": 0}, "top_p", "top_p"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs", "[0, 20]"),
+    ({"prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ({"prompt": "hi", "best_of": 3}, "best_of", "best_of"),
+    ({"prompt": "hi", "stop": ["a"] * 17}, "stop", "at most 16"),
+    ({"prompt": "hi", "n": "many"}, "n", "integer"),
+    ({"prompt": {"not": "a prompt"}}, "prompt", "prompt"),
+    ({"max_tokens": 3}, "prompt", "Field required"),
+    ({"prompt": [5, 10**9]}, None, "outside the vocabulary"),
+    ({"prompt": [5, -1]}, None, "outside the vocabulary"),
+    ({"prompt": ""}, None, "empty"),
+    ({"prompt": []}, "prompt", "empty"),
+    ({"prompt": [[]]}, None, "empty"),
+    ({"prompt": [7] * 200}, None, "maximum context length is 128 tokens, but the request needs "
+                                  "200 prompt tokens + max_tokens 16 = 216"),
+]
+
+
+@pytest.mark.parametrize("body,param,words", BAD_REQUESTS)
+def test_invalid_completion_requests_are_400(served, body, param, words):
+    client, engine, _ = served
+    r = client.post("/v1/completions", json={"model": "fake", **body})
+    assert_error(r, 400, param=param, match=words)
+    assert complete(client, prompt=[1]).status_code == 200  # still serving
+    assert wait_until(lambda: all_free(engine))
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"messages": []}, "messages", "empty"),
+    ({"messages": [{"content": "no role"}]}, "messages", "role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages", "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs",
+     "logprobs: true"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     "tools", "not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "response_format": {"type": "json_object"}}, "response_format", "only 'text'"),
+    ({"messages": [{"role": "user", "content": "hi " * 200}]}, None, "maximum context length"),
+])
+def test_invalid_chat_requests_are_400(served, body, param, words):
+    client, _, _ = served
+    assert_error(client.post("/v1/chat/completions", json={"model": "fake", **body}), 400,
+                 param=param, match=words)
+
+
+def test_malformed_bodies_are_400(served):
+    client, _, _ = served
+    assert_error(client.post("/v1/completions", content=b"{not json"), 400, match="valid JSON")
+    assert_error(client.post("/v1/completions", content=b"\xff\xfe"), 400, match="valid JSON")
+    assert_error(client.post("/v1/completions", json=[1, 2]), 400, match="dictionary")
+    assert_error(client.post("/tokenize", json={"model": "fake"}), 400, param="prompt")
+    assert_error(client.post("/detokenize", json={"model": "fake", "tokens": [10**9]}), 400,
+                 match="outside the vocabulary")
+
+
+def test_unknown_model_route_and_method(served):
+    client, _, _ = served
+    assert_error(complete(client, prompt="hi", model="gpt-9"), 404, param="model",
+                 code="model_not_found", match="'gpt-9' does not exist")
+    assert_error(client.get("/v1/models/gpt-9"), 404, code="model_not_found")
+    assert_error(client.get("/v1/nothing"), 404, match="no route for GET /v1/nothing")
+    assert_error(client.get("/v1/completions"), 405, match="not allowed")
+    assert client.get("/v1/models/fake").json()["id"] == "fake"
+
+
+def test_body_and_header_limits(served):
+    client, engine, _ = served
+    big = json.dumps({"model": "fake", "prompt": "x" * 5000}).encode()
+    assert_error(client.post("/v1/completions", content=big), 413, match="limit of 4096 bytes")
+
+    def chunks():  # no Content-Length: the limit is enforced while reading
+        for _ in range(10):
+            yield b" " * 1000
+
+    assert_error(client.post("/v1/completions", content=chunks()), 413, match="4096")
+    many = {f"x-h{i}": "1" for i in range(50)}
+    assert_error(client.get("/v1/models", headers=many), 431, match="too many headers")
+    assert complete(client, prompt=[1]).status_code == 200
+    assert wait_until(lambda: all_free(engine))
+
+
+def test_api_key(served):
+    client, _, _ = served
+    assert client.get("/v1/models").status_code == 200
+    for headers in ({"Authorization": "Bearer wrong"}, {"Authorization": ""},
+                    {"Authorization": KEY}, {"Authorization": f"bearer {KEY}"}):
+        assert_error(client.get("/v1/models", headers=headers), 401, code="invalid_api_key")
+    # A forged Host that would make a URL rebuilt from it point at /health.
+    for host in ("localhost/health?", "x/health#", "/health"):
+        r = client.get("/v1/models", headers={"Authorization": "", "Host": host})
+        assert_error(r, 401, code="invalid_api_key")
+    for path in ("/metrics", "/openapi.json", "/tokenize", "/health/", "/v1/nothing"):
+        assert client.get(path, headers={"Authorization": ""}).status_code == 401, path
+    assert client.get("/health", headers={"Authorization": ""}).status_code == 200
+    # CORS preflight is answered without a key, for the allowed origin only.
+    r = client.options("/v1/models", headers={
+        "Authorization": "", "Origin": "http://ui.example",
+        "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == "http://ui.example"
+
+
+def test_full_queue_is_429_and_dead_engine_is_503(served):
+    client, engine, runners = served
+    runners[0].gate.clear()  # the engine thread stalls inside its next step
+    results = []
+
+    def send(prompt):
+        results.append(complete(client, prompt=prompt))
+
+    first = threading.Thread(target=send, args=([11],))
+    first.start()
+    assert wait_until(lambda: engine.engine.scheduler.running)  # taken into a step
+    second = threading.Thread(target=send, args=([12],))
+    second.start()
+    assert wait_until(lambda: engine.num_waiting == 1)  # queued: the limit is 1
+    assert_error(complete(client, prompt=[13]), 429, code="rate_limit_exceeded",
+                 match="limit 1")
+    runners[0].gate.set()
+    first.join(10)
+    second.join(10)
+    assert [r.status_code for r in results] == [200, 200]
+
+    engine.alive = False  # what a reboot looks like from outside
+    try:
+        assert_error(client.get("/health"), 503, match="not ready")
+        assert_error(complete(client, prompt=[1]), 503, match="rebooting")
+    finally:
+        engine.alive = True
+    assert client.get("/health").status_code == 200
+
+
+def test_engine_failure_mid_stream_is_an_error_event_then_done(served):
+    client, engine, runners = served
+    runners[0].pause_after = runners[0].calls + 3  # stall in the 3rd step from now ...
+    events = []
+    with client.stream("POST", "/v1/completions", json={
+            "model": "fake", "prompt": [50], "max_tokens": 50, "stream": True,
+            "ignore_eos": True, "temperature": 0}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line:
+                continue
+            events.append(line)
+            if len(events) == 2:
+                runners[0].fail_next = True  # ... and fail there
+                runners[0].gate.set()
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))
+    assert error["error"]["code"] == "engine_unavailable" and "injected fault" in \
+        error["error"]["message"]
+    assert all("choices" in json.loads(e.removeprefix("data: ")) for e in events[:-2])
+    assert wait_until(lambda: engine.alive and engine.num_restarts == 1)
+    assert complete(client, prompt=[7]).json()["choices"][0]["text"] is not None
+
+
+def test_failure_before_any_output_is_503(served):
+    client, engine, runners = served
+    runners[0].fail_next = True
+    assert_error(complete(client, prompt=[3]), 503, match="injected fault")
+    assert wait_until(lambda: engine.alive)
+
+
+def test_openapi_comes_from_the_request_models(served):
+    client, _, _ = served
+    doc = client.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    assert {"prompt", "max_tokens", "logprobs", "stream_options", "ignore_eos"} <= set(
+        schemas["CompletionRequest"]["properties"])
+    assert {"messages", "max_completion_tokens", "top_logprobs"} <= set(
+        schemas["ChatCompletionRequest"]["properties"])
+    assert "ChatMessage" in schemas and "/v1/chat/completions" in doc["paths"]
+    ref = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert ref["schema"]["$ref"] == "#/components/schemas/CompletionRequest"
