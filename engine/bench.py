@@ -2,6 +2,7 @@
 
     python -m engine.bench --num-prompts 64 --input-len 128 --output-len 128 --ignore-eos
     python -m engine.bench --random-weights --config llama-3-8b --num-prompts 64 ...
+    python -m engine.bench serve --base-url URL --model NAME ...  (an OpenAI-compatible server)
 
 Metrics follow vLLM's benchmark: TTFT (request start -> first token), TPOT
 ((E2E - TTFT) / (output tokens - 1)), E2E latency, request and token throughput.
@@ -167,6 +168,11 @@ def summarize(engine: LLMEngine, timings, duration: float, ceilings: dict) -> di
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        from engine import bench_serve
+
+        return bench_serve.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="GGUF file, HF directory or Orbax checkpoint "
                                    "(default: the default model)")

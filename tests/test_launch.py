@@ -1,0 +1,42 @@
+"""Serving start-up: --model arguments, served names, and KV pages from a memory fraction."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import launch
+from engine.config import EngineConfig
+from models.default_model import SERVED_NAME
+
+
+def test_model_arguments(default_gguf, tmp_path):
+    assert launch.parse_model_arg(None) == launch.ModelSpec(SERVED_NAME, str(default_gguf))
+    assert launch.parse_model_arg(str(default_gguf)).name == SERVED_NAME
+    assert launch.parse_model_arg(f"smol={default_gguf}") == launch.ModelSpec("smol",
+                                                                             str(default_gguf))
+    other = tmp_path / "my-model"
+    other.mkdir()
+    assert launch.parse_model_arg(str(other)).name == "my-model"
+    odd = tmp_path / "a=b"  # an existing path with '=' in it is a path, not name=path
+    odd.mkdir()
+    assert launch.parse_model_arg(str(odd)) == launch.ModelSpec("a=b", str(odd))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        launch.parse_model_arg("x=/no/such/file.gguf")
+
+
+def test_kv_pages_from_memory(default_gguf, monkeypatch):
+    gib = 2**30
+    monkeypatch.setattr(launch, "device_memory_bytes", lambda: 4 * gib)
+    cfg = EngineConfig(model=str(default_gguf), dtype="float32", max_model_len=256,
+                       max_num_seqs=4)
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64 -> a 16-token float32 page is 2*30*16*3*64*4 B
+    page = 2 * 30 * 16 * 3 * 64 * 4
+    weights = 4 * 134_515_008
+    assert launch.kv_pages(cfg, memory_fraction=0.5) == int((0.5 * 4 * gib - weights) // page)
+    # two models share the fraction
+    assert launch.kv_pages(cfg, 0.5, num_models=2) == int((0.25 * 4 * gib - weights) // page)
+    # default: pages for every sequence at full length, within the default cap
+    assert launch.kv_pages(cfg) == cfg.total_blocks == 1 + 4 * 16
+    assert launch.kv_pages(EngineConfig(model=str(default_gguf), num_blocks=7)) == 7
+    with pytest.raises(ValueError, match="leaves no room for KV pages"):
+        launch.kv_pages(cfg, memory_fraction=0.1)
