@@ -90,7 +90,7 @@ def sample_requests(args, n: int, seed: int, prompt_len: int | None = None) -> l
             reqs.append(Request(args.prompt, prompt_len, n_out))
         elif args.text_prompts:  # length from the server's usage (else about n_in)
             text = " ".join(rng.choice(WORDS) for _ in range(n_in))
-            reqs.append(Request(text.capitalize(), None, n_out))
+            reqs.append(Request(text, None, n_out))
         else:
             reqs.append(Request([rng.randrange(100, 10000) for _ in range(n_in)], n_in, n_out))
     return reqs

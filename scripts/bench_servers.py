@@ -64,8 +64,10 @@ def bench(url: str, label: str, concurrency: int, args, out: Path) -> dict:
            SERVED_NAME, "--num-prompts", str(args.num_prompts), "--input-len",
            str(args.input_len), "--output-len", str(args.output_len), "--ignore-eos",
            "--text-prompts", "--max-concurrency", str(concurrency), "--no-ceilings",
+           # new prompts at each level, so no run is served from an earlier run's prefix cache
+           "--seed", str(concurrency),
            "--label", f"{label} c={concurrency}", "--output", str(path)]
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd)  # failed requests are counted in the results, not fatal
     return json.loads(path.read_text())
 
 
@@ -88,7 +90,7 @@ def main() -> int:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    ctx = args.input_len + args.output_len
+    ctx = args.input_len + args.output_len + 64  # room for prompts a token or two longer
     ours = [sys.executable, "-m", "server", "--port", str(port), "--max-model-len", str(ctx),
             "--max-num-seqs", "64", *args.xlaserve_args.split()]
     with running(ours, url, "/health", args.out / "xlaserve.log"):

@@ -4,6 +4,7 @@ engine and server tests can compute every output by hand without compiling anyth
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -49,3 +50,12 @@ def make_engine(tokenizer, name="fake", step=1, **over):
         return LLMEngine(c, runner=runners[-1], tokenizer=tokenizer)
 
     return AsyncEngine(cfg, factory), runners
+
+
+def wait_until(cond, timeout=5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import pytest
-from fakes import make_engine
+from fakes import make_engine, wait_until
 
 from engine.async_engine import (
     EngineDeadError,
@@ -34,13 +33,6 @@ async def collect(engine, prompt, params):
     return outs
 
 
-def wait_until(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def all_free(engine):

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
-from fakes import make_engine
+from fakes import make_engine, wait_until
 from starlette.testclient import TestClient
 
 from engine.async_engine import Engines
@@ -43,13 +42,6 @@ def all_free(engine) -> bool:
     return bm.num_free_blocks == bm.num_usable_blocks and not engine.engine.has_unfinished()
 
 
-def wait_until(cond, timeout=5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def assert_error(r, status, param=None, match=None, code=None):
