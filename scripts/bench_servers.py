@@ -101,7 +101,9 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
         theirs = [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", gguf,
                   "--model_alias", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-                  "--n_ctx", str(ctx), "--n_threads", "2", "--n_threads_batch", "2"]
+                  "--n_ctx", str(ctx), "--n_threads", "2", "--n_threads_batch", "2",
+                  # queue concurrent requests instead of cutting off the stream in progress
+                  "--interrupt_requests", "False"]
         with running(theirs, url, "/v1/models", args.out / "llama-cpp-python.log"):
             results += [bench(url, "llama-cpp-python", c, args, args.out)
                         for c in args.concurrency]
