@@ -3,13 +3,15 @@
 It owns the parameters, the KV pages (donated into every step so they update in
 place) and one compiled executable per bucket, all built at warmup. `run(batch)`
 feeds a padded `StepBatch` to its bucket's executable and brings back only the
-sampled token ids and their logprobs.
+sampled token ids and their logprobs. `kv_pages` sizes the KV cache from device memory
+before a runner is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -21,7 +23,8 @@ from flax import nnx
 from engine.batch import StepBatch, empty_batch
 from engine.config import EngineConfig
 from models.default_model import user_cache_dir
-from models.loader import load_model
+from models.llama import param_specs
+from models.loader import load_config, load_model, resolve_dtype
 from models.progress import progress_bar
 from ops.attention import AttentionMetadata, KVCache
 from ops.sampling import SamplingMetadata, sample
@@ -147,3 +150,41 @@ class ModelRunner:
         return self.kv.k.nbytes + self.kv.v.nbytes
 
 
+# Without --num-pages or --gpu-memory-utilization, the KV cache holds every sequence at full
+# length, but takes at most this fraction of device memory (host RAM on CPU, which the rest
+# of the machine shares).
+DEFAULT_MEMORY_FRACTION = {"cpu": 0.3}
+DEFAULT_ACCELERATOR_FRACTION = 0.9
+
+
+def device_memory_bytes() -> int:
+    """Memory of one device: the accelerator's limit, or physical RAM on CPU."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_pages(config: EngineConfig, memory_fraction: float | None = None,
+             num_models: int = 1) -> int:
+    """KV pages (incl. the reserved page 0) for `config`. With a fraction: what fits in that
+    share of device memory after the weights. Without: enough for every sequence at full
+    length, capped by the default fraction."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    cfg = load_config(config.model)
+    itemsize = np.dtype(resolve_dtype(config.dtype)).itemsize
+    weights = itemsize * sum(math.prod(s.shape) for s in param_specs(cfg).values())
+    page = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    fraction = memory_fraction or DEFAULT_MEMORY_FRACTION.get(jax.default_backend(),
+                                                              DEFAULT_ACCELERATOR_FRACTION)
+    budget = fraction * device_memory_bytes() / num_models - weights
+    fit = int(budget // page)
+    if fit < 2:
+        raise ValueError(f"{config.model}: {fraction:.0%} of device memory "
+                         f"({device_memory_bytes() / 2**30:.1f} GiB) leaves no room for KV pages "
+                         f"after {weights / 2**30:.2f} GiB of weights")
+    pages = fit if memory_fraction else min(fit, config.total_blocks)
+    logger.info("KV cache for %s: %d pages of %d tokens (%.2f GiB)", config.model, pages,
+                config.block_size, pages * page / 2**30)
+    return pages
