@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.async_engine import AsyncEngine, Engines
-from server.errors import APIError, api_error
+from server.errors import CLIENT_ERRORS, APIError, api_error
 from server.generation import create_chat_completion, create_completion
 from server.metrics import ServerMetrics
 from server.middleware import APIKeyAuth, RequestLimits
@@ -134,15 +134,6 @@ async def _json(request: Request) -> object:
         raise APIError(400, f"the body is not valid JSON: {e}") from None
 
 
-def _guarded(handler):
-    async def endpoint(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except Exception as e:
-            return api_error(e).response()
-    return endpoint
-
-
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     message = {404: f"no route for {request.method} {request.scope['path']}",
                405: f"method {request.method} is not allowed on {request.scope['path']}"}
@@ -150,24 +141,20 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
                     headers=exc.headers).response()
 
 
-async def _api_error(request: Request, exc: APIError) -> Response:
-    return exc.response()
-
-
-async def _server_error(request: Request, exc: Exception) -> Response:
-    return api_error(exc).response()
+async def _api_error(request: Request, exc: Exception) -> Response:
+    return api_error(exc).response()  # 500 for exceptions outside CLIENT_ERRORS
 
 
 def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[str] = (),
               max_body_bytes: int = MAX_BODY_BYTES, max_headers: int = MAX_HEADERS) -> Starlette:
     server = Server(engines)
     routes = [
-        Route("/v1/completions", _guarded(server.completions), methods=["POST"]),
-        Route("/v1/chat/completions", _guarded(server.chat_completions), methods=["POST"]),
-        Route("/v1/models", _guarded(server.models), methods=["GET"]),
-        Route("/v1/models/{model:path}", _guarded(server.model), methods=["GET"]),
-        Route("/tokenize", _guarded(server.tokenize), methods=["POST"]),
-        Route("/detokenize", _guarded(server.detokenize), methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", server.model, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_text, methods=["GET"]),
         Route("/openapi.json", server.openapi, methods=["GET"]),
@@ -181,7 +168,8 @@ def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[s
                                  max_headers=max_headers))
     if api_key:
         middleware.append(Middleware(APIKeyAuth, api_key=api_key))
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers={
-        HTTPException: _http_error, APIError: _api_error, Exception: _server_error})
+    handlers = {HTTPException: _http_error, Exception: _api_error,
+                **dict.fromkeys(CLIENT_ERRORS, _api_error)}
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
     app.state.server = server
     return app

@@ -40,6 +40,12 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+# What a request can raise that is the client's to hear (the app registers one handler for
+# all of them); anything else is a bug and a 500.
+CLIENT_ERRORS = (APIError, pydantic.ValidationError, SamplingParamsError, RequestRejected,
+                 UnknownModel, EngineOverloaded, EngineDeadError)
+
+
 def api_error(exc: BaseException) -> APIError:
     """The client-facing error for an exception raised while serving a request."""
     if isinstance(exc, APIError):
