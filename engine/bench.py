@@ -31,6 +31,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
+from ops.attention import BACKENDS
 
 
 def _best(fn, repeats: int) -> float:
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--attention-backend", default="reference")
+    p.add_argument("--attention-backend", default="reference", choices=BACKENDS)
     p.add_argument("--output", help="write the results as JSON")
     args = p.parse_args(argv)
     if args.max_model_len is None:

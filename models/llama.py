@@ -17,7 +17,13 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.rope import apply_rope, rope_inv_freq
-from ops.attention import AttentionMetadata, KVCache, ragged_paged_attention, write_kv
+from ops.attention import (
+    AttentionMetadata,
+    KVCache,
+    check_backend,
+    ragged_paged_attention,
+    write_kv,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +78,7 @@ class _Stack(nnx.Module):
 class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_backend: str = "reference"):
+        check_backend(attention_backend)
         self.cfg = cfg
         self.attention_backend = attention_backend
         params = {name: nnx.Param(_init(spec, rngs.params(), dtype))

@@ -130,16 +130,44 @@ def ref_ragged_paged_attention(
     return out.reshape(-1, num_heads, head_dim)[:num_tokens].astype(q.dtype)
 
 
-_BACKENDS = {"reference": ref_ragged_paged_attention}
+def _pallas_gpu(*args, **kw):
+    from ops.pallas_gpu_attention import pallas_gpu_ragged_paged_attention
+
+    return pallas_gpu_ragged_paged_attention(*args, **kw)
+
+
+def _pallas_tpu(*args, **kw):
+    from ops.pallas_tpu_attention import pallas_tpu_ragged_paged_attention
+
+    return pallas_tpu_ragged_paged_attention(*args, **kw)
+
+
+def _pallas(*args, **kw):
+    """The Pallas kernel made for the platform we run on: the Mosaic TPU kernel on TPUs, the
+    GPU (Triton) kernel elsewhere. Off their platform both run in Pallas interpret mode."""
+    return (_pallas_tpu if jax.default_backend() == "tpu" else _pallas_gpu)(*args, **kw)
+
+
+# The one place a backend name becomes an implementation (the kernels import this module,
+# hence the deferred imports above).
+_BACKENDS = {
+    "reference": ref_ragged_paged_attention,
+    "pallas": _pallas,
+    "pallas-gpu": _pallas_gpu,
+    "pallas-tpu": _pallas_tpu,
+}
+BACKENDS = tuple(_BACKENDS)
+
+
+def check_backend(backend: str) -> None:
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; "
+                         f"available: {', '.join(_BACKENDS)}")
 
 
 def ragged_paged_attention(q, cache, layer, md, *, sm_scale, sliding_window=None,
                            soft_cap=None, backend: str = "reference"):
     """The one attention op the model calls; `backend` picks the implementation."""
-    try:
-        impl = _BACKENDS[backend]
-    except KeyError:
-        raise ValueError(f"unknown attention backend {backend!r}; "
-                         f"available: {', '.join(_BACKENDS)}") from None
-    return impl(q, cache, layer, md, sm_scale=sm_scale, sliding_window=sliding_window,
-                soft_cap=soft_cap)
+    check_backend(backend)
+    return _BACKENDS[backend](q, cache, layer, md, sm_scale=sm_scale,
+                              sliding_window=sliding_window, soft_cap=soft_cap)

@@ -49,7 +49,10 @@ def parser() -> argparse.ArgumentParser:
                         "0.9 of an accelerator or 0.3 of RAM")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="past this many waiting requests, new ones get 429")
-    p.add_argument("--attention-backend", default="reference")
+    p.add_argument("--attention-backend", default="reference",
+                   choices=("reference", "pallas", "pallas-gpu", "pallas-tpu"),
+                   help="reference: pure JAX; pallas: the Pallas kernel for this platform "
+                        "(interpreted on CPU); pallas-gpu/pallas-tpu force one kernel")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
     p.add_argument("--seed", type=int, default=0)
