@@ -67,17 +67,19 @@ def build_engine(args) -> LLMEngine:
     common = dict(dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  block_size=args.block_size, attention_backend=args.attention_backend)
+                  block_size=args.block_size, attention_backend=args.attention_backend,
+                  tensor_parallel_size=args.tensor_parallel_size)
     if args.random_weights:
-        from flax import nnx
-
-        from models.llama import Llama
         from models.loader import resolve_dtype
         from models.presets import preset_config
+        from models.sharding import make_mesh
+        from models.weights import random_model
 
         cfg = EngineConfig(model=f"random:{args.config}", **common)
-        model = Llama(preset_config(args.config), dtype=resolve_dtype(args.dtype),
-                      rngs=nnx.Rngs(args.seed), attention_backend=args.attention_backend)
+        mesh = make_mesh(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else None
+        model = random_model(preset_config(args.config), resolve_dtype(args.dtype),
+                             seed=args.seed, attention_backend=args.attention_backend,
+                             mesh=mesh)
         return LLMEngine(cfg, runner=ModelRunner(cfg, model=model), tokenizer=_IdsOnly(),
                          detokenize=False)
     from models.default_model import fetch_default_model
@@ -194,6 +196,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--attention-backend", default="reference", choices=BACKENDS)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--output", help="write the results as JSON")
     args = p.parse_args(argv)
     if args.max_model_len is None:

@@ -27,12 +27,13 @@ class EngineConfig:
                                         # max_num_seqs full-length sequences)
     enable_prefix_caching: bool = True
     attention_backend: str = "reference"
+    tensor_parallel_size: int = 1       # devices the model is split over (heads, MLP, vocab)
     max_waiting_requests: int = 1024
     seed: int = 0                       # seeds of requests that bring none are drawn from this
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "max_waiting_requests"):
+                     "max_waiting_requests", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.block_size & (self.block_size - 1):

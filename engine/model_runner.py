@@ -26,6 +26,7 @@ from models.default_model import user_cache_dir
 from models.llama import param_specs
 from models.loader import load_config, load_model, resolve_dtype
 from models.progress import progress_bar
+from models.sharding import kv_cache_sharding, make_mesh, replicated, sharded_config
 from ops.attention import AttentionMetadata, KVCache
 from ops.sampling import SamplingMetadata, sample
 
@@ -74,14 +75,19 @@ class ModelRunner:
         if os.environ.get("XLASERVE_COMPILE_CACHE", "") != "off":
             enable_compilation_cache()
         if model is None:
+            mesh = None
+            if config.tensor_parallel_size > 1:
+                mesh = make_mesh(config.tensor_parallel_size)
             model = load_model(config.model, dtype=config.dtype,
-                               attention_backend=config.attention_backend)
-        self.model_config = model.cfg
+                               attention_backend=config.attention_backend, mesh=mesh)
+        self.mesh = model.mesh
+        self.model_config = model.cfg  # with a mesh: KV heads repeated up to its size if fewer
         self.dtype = model.embed[...].dtype
         self.graphdef, self.state = nnx.split(model)
         cfg = self.model_config
+        self.kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
         self.kv = KVCache.zeros(cfg.num_layers, config.total_blocks, config.block_size,
-                                cfg.num_kv_heads, cfg.head_dim, self.dtype)
+                                cfg.num_kv_heads, cfg.head_dim, self.dtype, self.kv_sharding)
         self._executables: dict[tuple[int, int], object] = {}
         self.compilations_after_warmup = 0
         self.warm = False
@@ -108,9 +114,16 @@ class ModelRunner:
 
     def compile_bucket(self, bucket: tuple[int, int]):
         inputs = self._device_inputs(empty_batch(self.config, bucket))
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
-        lowered = jax.jit(self._step, donate_argnums=(1,)).lower(self.state, self.kv, abstract)
-        return lowered.compile()
+        if self.mesh is None:
+            step = jax.jit(self._step, donate_argnums=(1,))
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
+        else:  # host inputs and sampled outputs replicated; pages stay split by KV head
+            everywhere = replicated(self.mesh)
+            kv = KVCache(self.kv_sharding, self.kv_sharding)
+            step = jax.jit(self._step, donate_argnums=(1,), out_shardings=(everywhere, kv))
+            abstract = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=everywhere), inputs)
+        return step.lower(self.state, self.kv, abstract).compile()
 
     def warmup(self, progress=None) -> float:
         """Compile every bucket and run each once on padding; returns seconds taken."""
@@ -174,15 +187,22 @@ def kv_pages(config: EngineConfig, memory_fraction: float | None = None,
         return config.num_blocks
     cfg = load_config(config.model)
     itemsize = np.dtype(resolve_dtype(config.dtype)).itemsize
-    weights = itemsize * sum(math.prod(s.shape) for s in param_specs(cfg).values())
-    page = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    tp = config.tensor_parallel_size
+    run_cfg = sharded_config(cfg, tp)  # fails here, at startup, if tp cannot split the model
+    # Per device: a 1/tp share of the (nearly all split) weights and of every page's KV heads.
+    weights = itemsize * sum(math.prod(s.shape) for s in param_specs(cfg).values()) / tp
+    page = (2 * cfg.num_layers * config.block_size * run_cfg.num_kv_heads // tp
+            * cfg.head_dim * itemsize)
     fraction = memory_fraction or DEFAULT_MEMORY_FRACTION.get(jax.default_backend(),
                                                               DEFAULT_ACCELERATOR_FRACTION)
-    budget = fraction * device_memory_bytes() / num_models - weights
+    memory = device_memory_bytes()
+    if jax.default_backend() == "cpu":
+        memory /= tp  # (fake) CPU devices share one RAM
+    budget = fraction * memory / num_models - weights
     fit = int(budget // page)
     if fit < 2:
         raise ValueError(f"{config.model}: {fraction:.0%} of device memory "
-                         f"({device_memory_bytes() / 2**30:.1f} GiB) leaves no room for KV pages "
+                         f"({memory / 2**30:.1f} GiB) leaves no room for KV pages "
                          f"after {weights / 2**30:.2f} GiB of weights")
     pages = fit if memory_fraction else min(fit, config.total_blocks)
     logger.info("KV cache for %s: %d pages of %d tokens (%.2f GiB)", config.model, pages,

@@ -49,14 +49,18 @@ def checkpoint_config(path: str | Path) -> tuple[ModelConfig, str]:
     return ModelConfig(**fields), meta["dtype"]
 
 
-def load_checkpoint_params(path: str | Path, cfg: ModelConfig, dtype) -> dict:
-    """Restore straight onto the device, in `dtype`, with every shape checked by Orbax."""
+def load_checkpoint_params(path: str | Path, cfg: ModelConfig, dtype,
+                           shardings: dict | None = None) -> dict:
+    """Restore straight onto the device (or each parameter straight into its `shardings`,
+    nested like the parameters), in `dtype`, with every shape checked by Orbax."""
     from flax import nnx
 
-    state = nnx.state(abstract_model(cfg, dtype))
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype, sharding=sharding),
-                          nnx.to_pure_dict(state))
+    abstract = nnx.to_pure_dict(nnx.state(abstract_model(cfg, dtype)))
+    if shardings is None:
+        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: single, abstract)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s),
+                          abstract, shardings)
     params_dir = Path(path).absolute() / "params"
     try:
         with ocp.StandardCheckpointer() as ckptr:

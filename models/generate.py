@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from models.llama import Llama
+from models.sharding import kv_cache_sharding
 from ops.attention import AttentionMetadata, KVCache
 
 
@@ -28,6 +29,7 @@ class GreedyDecoder:
         self.max_len = self.num_pages * page_size
         self.graphdef, self.state = nnx.split(model)
         self.dtype = model.embed[...].dtype
+        self.kv_sharding = None if model.mesh is None else kv_cache_sharding(model.mesh)
 
         def step(state, tokens, positions, cache, md, logits_indices):
             m = nnx.merge(self.graphdef, state)
@@ -38,7 +40,8 @@ class GreedyDecoder:
     def new_cache(self) -> KVCache:
         # Page 0 is the dummy page for padded rows; the sequence uses pages 1..num_pages.
         return KVCache.zeros(self.cfg.num_layers, self.num_pages + 1, self.page_size,
-                             self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype)
+                             self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype,
+                             self.kv_sharding)
 
     def run(self, cache: KVCache, tokens: list[int], start: int, all_logits: bool = False):
         """Append `tokens` (at positions start..) to the sequence; return logits and cache."""

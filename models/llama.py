@@ -77,10 +77,11 @@ class _Stack(nnx.Module):
 
 class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_backend: str = "reference"):
+                 attention_backend: str = "reference", mesh=None):
         check_backend(attention_backend)
         self.cfg = cfg
         self.attention_backend = attention_backend
+        self.mesh = mesh  # a tensor-parallel mesh (models/sharding.py), or None
         params = {name: nnx.Param(_init(spec, rngs.params(), dtype))
                   for name, spec in param_specs(cfg).items()}
         self.embed = params.pop("embed")
@@ -114,10 +115,11 @@ class Llama(nnx.Module):
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
-            cache = write_kv(cache, idx, k, v, md.slot_mapping)
+            cache = write_kv(cache, idx, k, v, md.slot_mapping, mesh=self.mesh)
             attn = ragged_paged_attention(
                 q, cache, idx, md, sm_scale=cfg.head_dim ** -0.5,
-                sliding_window=cfg.sliding_window, backend=self.attention_backend)
+                sliding_window=cfg.sliding_window, backend=self.attention_backend,
+                mesh=self.mesh)
             x = x + jnp.einsum("thd,hde->te", attn, p["wo"])
             h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
             gate = jax.nn.silu(h @ p["w_gate"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -15,7 +16,9 @@ from models.config import ModelConfig
 from models.gguf_loader import gguf_config, load_gguf_params
 from models.hf_loader import load_hf_params
 from models.llama import Llama
+from models.sharding import param_shardings, repeat_kv_heads, sharded_config
 from models.weights import build_model
+from ops.attention import TENSOR_AXIS
 
 logger = logging.getLogger(__name__)
 
@@ -70,16 +73,25 @@ def load_host_params(path: str | Path, cfg: ModelConfig, dtype) -> dict:
 
 
 def load_model(path: str | Path, dtype: str | None = None,
-               attention_backend: str = "reference") -> Llama:
-    """Load weights from any supported source onto the default device."""
+               attention_backend: str = "reference", mesh=None) -> Llama:
+    """Load weights from any supported source onto the default device, or with a
+    tensor-parallel `mesh` straight into their shards (models/sharding.py)."""
     jdtype = resolve_dtype(dtype)
     start = time.perf_counter()
-    cfg = load_config(path)
+    cfg = run_cfg = load_config(path)
+    repeats = 1
+    if mesh is not None:
+        run_cfg = sharded_config(cfg, mesh.shape[TENSOR_AXIS])
+        repeats = run_cfg.num_kv_heads // cfg.num_kv_heads
     if model_format(path) == "orbax":
-        params = checkpoint.load_checkpoint_params(path, cfg, jdtype)  # already on device
+        shardings = None if mesh is None else param_shardings(cfg, mesh)
+        params = checkpoint.load_checkpoint_params(path, cfg, jdtype, shardings)  # on device
+        if repeats > 1:  # from replicated KV heads to one (repeated) head per device
+            params = jax.jit(functools.partial(repeat_kv_heads, repeats=repeats, xp=jnp),
+                             out_shardings=param_shardings(run_cfg, mesh))(params)
     else:
-        params = load_host_params(path, cfg, jdtype)
-    model = build_model(cfg, params, jdtype, attention_backend)
+        params = repeat_kv_heads(load_host_params(path, cfg, jdtype), repeats)
+    model = build_model(run_cfg, params, jdtype, attention_backend, mesh)
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
     logger.info("Loaded %s (%s, %s) in %.2fs", path, cfg.architecture,
                 jnp.dtype(jdtype).name, time.perf_counter() - start)

@@ -137,16 +137,44 @@ def nest(flat: dict[str, np.ndarray]) -> dict:
     return out
 
 
-def abstract_model(cfg: ModelConfig, dtype, attention_backend: str = "reference"):
+def abstract_model(cfg: ModelConfig, dtype, attention_backend: str = "reference", mesh=None):
     """The model with ShapeDtypeStruct leaves: no memory, no random init."""
     return nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0),
-                                        attention_backend=attention_backend))
+                                        attention_backend=attention_backend, mesh=mesh))
+
+
+def place(params: dict, shardings: dict | None) -> dict:
+    """Host arrays onto devices: whole onto the default device, or each device receiving
+    only its own shard (also across processes: every process fills its own devices)."""
+    if shardings is None:
+        return jax.tree.map(jax.device_put, params)
+    return jax.tree.map(
+        lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]),
+        params, shardings)
 
 
 def build_model(cfg: ModelConfig, params: dict, dtype,
-                attention_backend: str = "reference") -> Llama:
-    """Put host parameters on the device and bind them to a model."""
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, attention_backend))
-    device_params = jax.tree.map(jax.device_put, params)
-    nnx.replace_by_pure_dict(state, device_params)
+                attention_backend: str = "reference", mesh=None) -> Llama:
+    """Put host parameters on the device(s) and bind them to a model; with a tensor-parallel
+    `mesh`, `cfg` and `params` are the sharded ones (see models/sharding.py)."""
+    from models.sharding import param_shardings
+
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, attention_backend, mesh))
+    shardings = None if mesh is None else param_shardings(cfg, mesh)
+    nnx.replace_by_pure_dict(state, place(params, shardings))
+    return nnx.merge(graphdef, state)
+
+
+def random_model(cfg: ModelConfig, dtype, *, seed: int = 0, attention_backend: str = "reference",
+                 mesh=None) -> Llama:
+    """Random weights of real shapes (benchmarks without the weights), made on the devices,
+    directly in their shardings under a tensor-parallel `mesh`."""
+    from models.sharding import param_shardings, sharded_config
+    from ops.attention import TENSOR_AXIS
+
+    run_cfg = cfg if mesh is None else sharded_config(cfg, mesh.shape[TENSOR_AXIS])
+    init = lambda: nnx.to_pure_dict(nnx.state(Llama(run_cfg, dtype=dtype, rngs=nnx.Rngs(seed))))
+    shardings = None if mesh is None else param_shardings(run_cfg, mesh)
+    graphdef, state = nnx.split(abstract_model(run_cfg, dtype, attention_backend, mesh))
+    nnx.replace_by_pure_dict(state, jax.jit(init, out_shardings=shardings)())
     return nnx.merge(graphdef, state)

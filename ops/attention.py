@@ -10,9 +10,14 @@ chunks and single decode tokens mixed). Sequence s owns query rows
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+# The mesh axis that tensor parallelism splits heads over (see models/sharding.py).
+TENSOR_AXIS = "tensor"
 
 # ---- KV cache layout ---------------------------------------------------------------
 #
@@ -27,9 +32,12 @@ class KVCache:
     v: jax.Array  # [L, P, page_size, Hkv, D]
 
     @classmethod
-    def zeros(cls, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype):
+    def zeros(cls, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype,
+              sharding=None):
+        """Zeroed pages, made directly in `sharding` (e.g. split by KV head) when given."""
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        return cls(make(), make())
 
     @property
     def page_size(self) -> int:
@@ -52,9 +60,28 @@ class AttentionMetadata:
     page_tables: jax.Array      # [S, max_pages] int32: page ids; unused entries point at page 0
 
 
+def _per_shard(fn, mesh, in_specs, out_specs):
+    """`fn` on each device's heads under `shard_map` when `mesh` splits them; else `fn`."""
+    if mesh is None or mesh.shape.get(TENSOR_AXIS, 1) == 1:
+        return fn
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+
+_HEADS = P(None, TENSOR_AXIS, None)                 # q, k, v, outputs: [T, heads, D]
+_KV_PAGES = P(None, None, None, TENSOR_AXIS, None)  # [L, P, page, Hkv, D]
+
+
 def write_kv(cache: KVCache, layer, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array) -> KVCache:
-    """Scatter this step's K/V ([T, Hkv, D]) into layer `layer`'s pages."""
+             slot_mapping: jax.Array, mesh=None) -> KVCache:
+    """Scatter this step's K/V ([T, Hkv, D]) into layer `layer`'s pages (per shard under a
+    tensor-parallel mesh: each device writes its own KV heads)."""
+    kv_specs = KVCache(_KV_PAGES, _KV_PAGES)
+    return _per_shard(_write_kv, mesh, (kv_specs, P(), _HEADS, _HEADS, P()), kv_specs)(
+        cache, layer, k, v, slot_mapping)
+
+
+def _write_kv(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:
     page_size = cache.page_size
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
     return KVCache(
@@ -166,8 +193,12 @@ def check_backend(backend: str) -> None:
 
 
 def ragged_paged_attention(q, cache, layer, md, *, sm_scale, sliding_window=None,
-                           soft_cap=None, backend: str = "reference"):
-    """The one attention op the model calls; `backend` picks the implementation."""
+                           soft_cap=None, backend: str = "reference", mesh=None):
+    """The one attention op the model calls; `backend` picks the implementation. Under a
+    tensor-parallel `mesh` it runs per shard (Pallas kernels are not partitioned by XLA):
+    each device attends its own query heads over its own KV heads."""
     check_backend(backend)
-    return _BACKENDS[backend](q, cache, layer, md, sm_scale=sm_scale,
-                              sliding_window=sliding_window, soft_cap=soft_cap)
+    impl = functools.partial(_BACKENDS[backend], sm_scale=sm_scale,
+                             sliding_window=sliding_window, soft_cap=soft_cap)
+    kv_specs = KVCache(_KV_PAGES, _KV_PAGES)
+    return _per_shard(impl, mesh, (_HEADS, kv_specs, P(), P()), _HEADS)(q, cache, layer, md)

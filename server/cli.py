@@ -53,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
                    choices=("reference", "pallas", "pallas-gpu", "pallas-tpu"),
                    help="reference: pure JAX; pallas: the Pallas kernel for this platform "
                         "(interpreted on CPU); pallas-gpu/pallas-tpu force one kernel")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split each model over this many devices (heads, MLP, vocabulary)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
     p.add_argument("--seed", type=int, default=0)
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.page_size,
             num_blocks=args.num_pages, enable_prefix_caching=args.enable_prefix_caching,
             attention_backend=args.attention_backend,
+            tensor_parallel_size=args.tensor_parallel_size,
             max_waiting_requests=args.max_waiting_requests, seed=args.seed)
     except (ValueError, FileNotFoundError, OSError) as e:
         logger.error("cannot start: %s", e)

@@ -6,6 +6,10 @@ import os
 
 # Tests run on the CPU in float32 unless a test says otherwise.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Eight fake CPU devices for the tensor-parallel tests; everything else uses the first.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
 
 import pytest
 

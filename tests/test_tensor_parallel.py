@@ -1,0 +1,149 @@
+"""Tensor parallelism on 8 fake CPU devices (conftest sets
+--xla_force_host_platform_device_count=8): every size gives the same logits and greedy
+tokens as one device, each device holds its share, and the engine compiles nothing after
+warmup."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner, kv_pages
+from engine.sampling_params import SamplingParams
+from models.generate import GreedyDecoder
+from models.loader import load_config, load_model
+from models.sharding import make_mesh, sharded_config
+from models.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
+
+IDS = [5, 17, 3, 99, 42, 7, 150, 23, 61, 8, 200, 11, 77, 31, 2, 9, 120, 64, 33, 180]
+
+
+def _hf_tiny(tmp_path_factory, name: str, **extra):
+    """A tiny random HF model saved as safetensors; heads divide 8."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cls = transformers.Qwen2Config if extra.pop("qwen2", False) else transformers.LlamaConfig
+    config = cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=8, max_position_embeddings=512, initializer_range=0.3,
+                 rms_norm_eps=1e-6, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path, safe_serialization=True)
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    HFTokenizer(WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
+    return path
+
+
+TINY = {
+    # 8 KV heads: split as they are at every size
+    "mha": dict(num_key_value_heads=8, tie_word_embeddings=False),
+    # 2 KV heads: repeated to 4 and 8 at sizes 4 and 8; q/k/v biases (Qwen2)
+    "gqa-bias": dict(num_key_value_heads=2, tie_word_embeddings=True, qwen2=True),
+}
+
+
+@pytest.fixture(scope="module", params=list(TINY))
+def tiny(request, tmp_path_factory):
+    return _hf_tiny(tmp_path_factory, request.param, **TINY[request.param])
+
+
+def _decoder(path, size: int) -> GreedyDecoder:
+    mesh = None if size == 1 else make_mesh(size)
+    return GreedyDecoder(load_model(path, dtype="float32", mesh=mesh), max_len=128)
+
+
+def _rel(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def test_sizes_agree_on_tiny_models(tiny):
+    one = _decoder(tiny, 1)
+    logits, tokens = one.prompt_logits(IDS), one.generate(IDS, 12)[0]
+    assert len(set(tokens)) > 1, "degenerate model: greedy output repeats one token"
+    for size in (2, 4, 8):
+        dec = _decoder(tiny, size)
+        assert _rel(dec.prompt_logits(IDS), logits) < 1e-5, size
+        assert dec.generate(IDS, 12)[0] == tokens, size
+
+
+def test_orbax_checkpoint_loads_into_shards(tiny, tmp_path):
+    from models.convert import convert
+
+    ckpt = convert(tiny, tmp_path / "ckpt", "float32")
+    want = _decoder(tiny, 1).prompt_logits(IDS)
+    for size in (2, 8):
+        assert _rel(_decoder(ckpt, size).prompt_logits(IDS), want) < 1e-5, size
+
+
+def test_each_device_holds_its_share(tiny):
+    size = 4
+    cfg = sharded_config(load_config(tiny), size)
+    engine_cfg = EngineConfig(model=str(tiny), dtype="float32", max_model_len=128,
+                              max_num_seqs=4, max_num_batched_tokens=32, num_blocks=33,
+                              tensor_parallel_size=size)
+    runner = ModelRunner(engine_cfg)
+    state = jax.tree.leaves(runner.state)
+    split = [a for a in state if not a.sharding.is_fully_replicated]
+    assert {a.shape for a in split} >= {(2, 64, 8, 8), (2, 8, 8, 64), (2, 64, 128)}
+    for a in split + [runner.kv.k, runner.kv.v]:
+        shards = a.addressable_shards
+        assert len(shards) == size and len({s.device for s in shards}) == size
+        for s in shards:
+            assert math.prod(s.data.shape) * size == a.size, (a.shape, s.data.shape)
+    # Per device, the split parameters are 1/size of the model's; only norms are replicated.
+    replicated = sum(a.size for a in state if a.sharding.is_fully_replicated)
+    assert replicated == cfg.hidden_size * (2 * cfg.num_layers + 1)
+    assert runner.kv.k.shape[3] == max(cfg.num_kv_heads, size)
+
+
+def test_default_model_at_a_size_dividing_its_heads(default_gguf):
+    size = 3  # SmolLM2-135M: 9 heads, 3 KV heads
+    tokenizer = Tokenizer.from_path(default_gguf)
+    one, three = _decoder(default_gguf, 1), _decoder(default_gguf, size)
+    for prompt in ("The capital of France is", "def fibonacci(n):"):
+        ids = tokenizer.encode(prompt)
+        assert _rel(three.prompt_logits(ids), one.prompt_logits(ids)) < 1e-5
+        assert three.generate(ids, 12)[0] == one.generate(ids, 12)[0]
+
+
+def test_sizes_that_do_not_divide_the_heads_fail_at_startup(default_gguf):
+    with pytest.raises(ValueError, match="tensor parallel size 2 does not divide the "
+                                         "model's 9 attention heads"):
+        load_model(default_gguf, mesh=make_mesh(2))
+    cfg = EngineConfig(model=str(default_gguf), tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="9 attention heads"):
+        kv_pages(cfg)
+    with pytest.raises(ValueError, match="needs 16 devices; 8 available"):
+        make_mesh(16)
+
+
+def test_no_compilation_after_warmup_under_tensor_parallelism(tiny):
+    engine_cfg = EngineConfig(model=str(tiny), dtype="float32", max_model_len=128,
+                              max_num_seqs=4, max_num_batched_tokens=32, num_blocks=33,
+                              tensor_parallel_size=2)
+    engine = LLMEngine(engine_cfg, tokenizer=_IdsTokenizer(), detokenize=False)
+    engine.runner.warmup()
+    plain = _decoder(tiny, 1)
+    prompts = [IDS, IDS[:7], IDS[3:] * 2]
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10,
+                                                   ignore_eos=True))
+    assert engine.runner.compilations_after_warmup == 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == plain.generate(prompt, 10)[0]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+class _IdsTokenizer:
+    eos_token_ids: frozenset[int] = frozenset()
+    special_token_ids: frozenset[int] = frozenset()
