@@ -2,16 +2,39 @@
 
 Same signature and semantics as `ref_ragged_paged_attention` in ops/attention.py.
 
-Design (first version, correctness over speed): one grid step per (query row, KV head).
-Each step reads its row's sequence id and position (computed outside the kernel by
-`_token_layout`), walks that sequence's pages from the first one inside the sliding
-window to the one holding the row's own position, and keeps a flash-attention style
-running max / denominator / accumulator for the row's `group` query heads. Every page
-visited holds at least one key the row may see, so the running max is finite after the
-first page; rows that are padding visit no page and come out as zeros.
+Design (flash-decoding over blocks of pages):
 
-Logits are a broadcast multiply-reduce rather than `pl.dot`, because a single row gives
-an M dimension of `group` (often 1), below what Triton's dot accepts.
+1. Work items, in plain JAX outside the kernel: each sequence's query rows are cut into
+   blocks of `block_q` rows, one work item per block (sequence, first row, row count,
+   position of the first row). The item list has the static length cdiv(T, block_q) + S;
+   items past the real ones have no rows.
+2. Grid (item, KV head, KV split). A program loads its item's `block_q * group` query
+   rows for one KV head as one [M, D] tile, so both products are Triton dots (Triton needs
+   every dot dimension >= 16, hence M >= 16). It walks its split's share of the
+   sequence's pages `pages_per_block` at a time (one K and one V tile of
+   pages_per_block * page_size keys per step, loaded through the page table) with a
+   flash-attention online softmax, skipping blocks outside the causal / sliding-window
+   range of the item's rows.
+3. KV splits: the page table is cut into `num_kv_splits` contiguous ranges. Each split
+   writes its normalized partial output and log-sum-exp into a padded [item, ...] buffer
+   (no ragged writes); outside the kernel the rows are gathered back to [T, H, D] and the
+   splits merged by a log-sum-exp weighted sum. A split that sees no key has lse = -inf
+   and weight 0; padded rows come out exactly 0.
+
+Defaults (`_block_sizes`; each can be passed explicitly): block_q makes M = block_q * group
+max(16, group) for decode-heavy buckets (about one row per sequence) and up to
+max(64, group) when sequences bring more rows; pages_per_block makes K/V tiles of 64 keys
+(at least 16, at most one split's share of the page table); num_kv_splits is 1 unless the
+page table spans at least 512 keys and the grid without splits has fewer than 256
+programs, then enough splits to reach about 256 programs, at most one per 256 keys and at
+most 16.
+
+Limits: this kernel has never run on a GPU. It is checked in interpret mode on CPU and
+lowered for CUDA from CPU (which runs the Pallas-to-Triton lowering but not Triton's own
+compiler, so register pressure, shared memory and speed are unknown). The defaults above,
+num_warps and num_stages are guesses until measured. Decode items use only `group` of
+their M >= 16 query rows; head_dim and page_size must be powers of two, and a group
+(query heads per KV head) that is not one is padded with zero heads up to the next.
 """
 
 from __future__ import annotations
@@ -25,67 +48,106 @@ from jax.experimental.pallas import triton as pl_triton
 
 from ops.attention import AttentionMetadata, KVCache, _token_layout
 
+# Tuning guesses (never measured on a GPU).
+_MIN_DOT_DIM = 16          # Triton's smallest dot dimension
+_TARGET_ROWS = 64          # query rows per tile (M) for prefill-heavy steps
+_TARGET_KEYS = 64          # keys per K/V tile
+_MIN_KEYS_PER_SPLIT = 256  # don't split the KV of short page tables
+_TARGET_PROGRAMS = 256     # about two waves of programs on an H100's 132 SMs
+_MAX_SPLITS = 16
+
 
 def _kernel(
-    layer_ref,   # [1] int32
-    seq_ref,     # [T] int32: sequence of each query row
-    pos_ref,     # [T] int32: position of each query row in its sequence
-    valid_ref,   # [T] int32: 1 for real rows, 0 for padding
-    kv_lens_ref,  # [S] int32
-    tables_ref,  # [S, max_pages] int32
-    q_ref,       # [group, D]: this row's query heads for this KV head
-    k_ref,       # [L, P, page_size, Hkv, D]
-    v_ref,       # [L, P, page_size, Hkv, D]
-    o_ref,       # [group, D]
+    layer_ref,    # [1] int32
+    seq_ref,      # [N] int32: sequence of each work item
+    row0_ref,     # [N] int32: first query row of each item
+    pos0_ref,     # [N] int32: KV position of that row
+    nrows_ref,    # [N] int32: query rows in the item (0 for padding items)
+    tables_ref,   # [S, num_splits * pages_per_split] int32, padded with page 0
+    q_ref,        # [T, H, D]
+    k_ref,        # [L, P, page_size, Hkv, D]
+    v_ref,        # [L, P, page_size, Hkv, D]
+    o_ref,        # [M, D]: this split's normalized output for the item's rows
+    lse_ref,      # [M] float32: this split's log-sum-exp (-inf: no visible key)
     *,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    group: int,
+    pages_per_block: int,
+    pages_per_split: int,
 ):
-    row, head = pl.program_id(0), pl.program_id(1)
-    group, head_dim = q_ref.shape
+    item, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_rows, head_dim = o_ref.shape  # num_rows = block_q * group
+    num_tokens = q_ref.shape[0]
     page_size = k_ref.shape[2]
-    max_pages = tables_ref.shape[1]
-    layer = layer_ref[0]
-    seq, pos, valid = seq_ref[row], pos_ref[row], valid_ref[row]
-    kv_len = kv_lens_ref[seq]
+    block_k = pages_per_block * page_size
+    layer, seq = layer_ref[0], seq_ref[item]
+    row0, pos0, nrows = row0_ref[item], pos0_ref[item], nrows_ref[item]
 
-    first_kv = 0 if sliding_window is None else jnp.maximum(pos - sliding_window + 1, 0)
-    first_page = first_kv // page_size
-    last_page = jnp.minimum(pl.cdiv(jnp.minimum(pos + 1, kv_len), page_size), max_pages)
-    last_page = jnp.where(valid != 0, last_page, first_page)  # padding rows: no pages
+    # Tile row r is query row row0 + r // group, query head head * group + r % group.
+    r = jnp.arange(num_rows, dtype=jnp.int32)
+    row_in_item = r // group
+    row_ok = row_in_item < nrows
+    row_pos = pos0 + row_in_item  # [M]
+    rows = jnp.minimum(row0 + row_in_item, num_tokens - 1)
+    q = q_ref[rows, head * group + r % group, :]  # [M, D]
 
-    q = q_ref[...].astype(jnp.float32)  # [group, D]
+    # Pages holding keys some row of the item may see, clipped to this split. Blocks start
+    # on multiples of pages_per_block from the split's start, so none crosses into the next
+    # split; keys before the window's start are masked.
+    first_kv = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
+    end_page = jnp.where(nrows > 0, (pos0 + nrows - 1) // page_size + 1, 0)
+    split_start = split * pages_per_split
+    start = jnp.maximum(first_kv // page_size, split_start)
+    start = split_start + (start - split_start) // pages_per_block * pages_per_block
+    end = jnp.minimum(end_page, split_start + pages_per_split)
+    num_blocks = jnp.maximum(pl.cdiv(end - start, pages_per_block), 0)
 
-    def body(j, carry):
-        acc, m_prev, l_prev = carry  # [group, D], [group], [group]
-        page = tables_ref[seq, j]
-        k = k_ref[layer, page, :, head, :].astype(jnp.float32)  # [page_size, D]
-        v = v_ref[layer, page, :, head, :].astype(jnp.float32)  # [page_size, D]
-        s = jnp.sum(q[:, None, :] * k[None, :, :], axis=-1) * sm_scale  # [group, page_size]
+    def body(b, carry):
+        acc, m_prev, l_prev = carry  # [M, D], [M], [M]
+        first_page = start + b * pages_per_block
+        pages = tables_ref[seq, pl.ds(first_page, pages_per_block)]  # [pages_per_block]
+        k = k_ref[layer, pages, :, head, :].reshape(block_k, head_dim)
+        v = v_ref[layer, pages, :, head, :].reshape(block_k, head_dim)
+        # HIGHEST: float32 inputs get an IEEE dot instead of TF32; no effect on bf16.
+        s = pl_triton.dot(q, k, trans_b=True, precision=jax.lax.Precision.HIGHEST) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        kv_pos = j * page_size + jnp.arange(page_size, dtype=jnp.int32)  # [page_size]
-        mask = (kv_pos <= pos) & (kv_pos < kv_len)
+        kv_pos = first_page * page_size + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
+        # kv_pos <= row_pos also keeps keys below kv_len: a real row's position is < kv_len.
+        mask = row_ok[:, None] & (kv_pos[None, :] <= row_pos[:, None])
         if sliding_window is not None:
-            mask &= kv_pos > pos - sliding_window
-        s = jnp.where(mask[None, :], s, -jnp.inf)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))  # finite: page has a visible key
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - m_next[:, None])  # [group, page_size]
+            mask &= kv_pos[None, :] > row_pos[:, None] - sliding_window
+        s = jnp.where(mask, s, -jnp.inf)  # [M, block_k]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
+        # A row with no visible key so far keeps m = -inf; shift by 0 so exp gives 0, not NaN.
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        correction = jnp.exp(m_prev - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
         l_next = correction * l_prev + jnp.sum(p, axis=-1)
-        acc = correction[:, None] * acc + jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
-        return acc, m_next, l_next
+        pv = pl_triton.dot(p.astype(v.dtype), v, precision=jax.lax.Precision.HIGHEST)
+        return correction[:, None] * acc + pv, m_next, l_next
 
-    init = (jnp.zeros((group, head_dim), jnp.float32),
-            jnp.full((group,), -jnp.inf, jnp.float32),
-            jnp.zeros((group,), jnp.float32))
-    acc, _, denom = jax.lax.fori_loop(first_page, last_page, body, init)
-    o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(o_ref.dtype)
+    init = (jnp.zeros((num_rows, head_dim), jnp.float32),
+            jnp.full((num_rows,), -jnp.inf, jnp.float32),
+            jnp.zeros((num_rows,), jnp.float32))
+    acc, m, denom = jax.lax.fori_loop(0, num_blocks, body, init)
+    seen = denom > 0
+    o_ref[...] = (acc / jnp.where(seen, denom, 1.0)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
 
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _validate(q, cache: KVCache, md: AttentionMetadata):
@@ -100,14 +162,12 @@ def _validate(q, cache: KVCache, md: AttentionMetadata):
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {kv_head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not divisible by num_kv_heads {num_kv_heads}")
-    group = num_heads // num_kv_heads
-    # Triton block shapes must be powers of two.
-    for name, n in (("head_dim", head_dim), ("page_size", page_size),
-                    ("num_heads // num_kv_heads", group)):
+    # Triton block shapes must be powers of two (a group that is not gets padded heads).
+    for name, n in (("head_dim", head_dim), ("page_size", page_size)):
         if not _is_pow2(n):
             raise ValueError(f"{name} must be a power of two, got {n}")
-    if head_dim < 16:
-        raise ValueError(f"head_dim must be at least 16, got {head_dim}")
+    if head_dim < _MIN_DOT_DIM:
+        raise ValueError(f"head_dim must be at least {_MIN_DOT_DIM}, got {head_dim}")
     if q.dtype != cache.k.dtype or cache.k.dtype != cache.v.dtype:
         raise ValueError(f"dtypes must match: q {q.dtype}, k {cache.k.dtype}, v {cache.v.dtype}")
     for name in ("query_start_loc", "kv_lens", "page_tables"):
@@ -120,6 +180,41 @@ def _validate(q, cache: KVCache, md: AttentionMetadata):
                          f"kv_lens {md.kv_lens.shape}, page_tables {md.page_tables.shape}")
 
 
+def _block_sizes(q, cache: KVCache, md: AttentionMetadata, block_q, pages_per_block,
+                 num_kv_splits) -> tuple[int, int, int]:
+    """Fill in the tuning knobs left as None (guesses, see the module docstring) and check
+    the ones given."""
+    num_tokens, num_heads, _ = q.shape
+    page_size, num_kv_heads = cache.k.shape[2], cache.k.shape[3]
+    num_seqs, max_pages = md.page_tables.shape
+    group = num_heads // num_kv_heads
+    if block_q is None:
+        # Decode-heavy buckets (about one row per sequence) get the smallest tile.
+        rows_per_seq = _pow2_ceil(_cdiv(num_tokens, num_seqs))
+        block_q = min(max(rows_per_seq, _MIN_DOT_DIM // group, 1), max(_TARGET_ROWS // group, 1))
+    if num_kv_splits is not None and num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be at least 1, got {num_kv_splits}")
+    if num_kv_splits is None:
+        num_items = _cdiv(num_tokens, block_q) + num_seqs
+        by_length = max_pages * page_size // _MIN_KEYS_PER_SPLIT
+        by_occupancy = _cdiv(_TARGET_PROGRAMS, num_items * num_kv_heads)
+        num_kv_splits = max(1, min(by_length, by_occupancy, _MAX_SPLITS))
+    if pages_per_block is None:
+        pages_per_split = _pow2_ceil(_cdiv(max_pages, num_kv_splits))
+        pages_per_block = max(min(_TARGET_KEYS // page_size, pages_per_split),
+                              _MIN_DOT_DIM // page_size, 1)
+    for name, n in (("block_q", block_q), ("pages_per_block", pages_per_block)):
+        if not _is_pow2(n):
+            raise ValueError(f"{name} must be a power of two, got {n}")
+    if block_q * group < _MIN_DOT_DIM:
+        raise ValueError(f"block_q * group must be at least {_MIN_DOT_DIM}, got "
+                         f"{block_q} * {group}")
+    if pages_per_block * page_size < _MIN_DOT_DIM:
+        raise ValueError(f"pages_per_block * page_size must be at least {_MIN_DOT_DIM}, got "
+                         f"{pages_per_block} * {page_size}")
+    return block_q, pages_per_block, num_kv_splits
+
+
 def pallas_gpu_ragged_paged_attention(
     q: jax.Array,          # [T, H, D]
     cache: KVCache,
@@ -130,39 +225,118 @@ def pallas_gpu_ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     interpret: bool | None = None,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+    num_kv_splits: int | None = None,
 ) -> jax.Array:            # [T, H, D]
-    """Ragged paged attention; `interpret=None` interprets unless the backend is a GPU."""
+    """Ragged paged attention; `interpret=None` interprets unless the backend is a GPU.
+    Tuning knobs left as None are chosen from the shapes."""
     _validate(q, cache, md)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = cache.k.shape[3]
+    group = num_heads // num_kv_heads
+    if not _is_pow2(group):  # e.g. 9 heads over 3 KV heads: pad each group with zero heads
+        padded = _pow2_ceil(group)
+        q_padded = jnp.pad(q.reshape(num_tokens, num_kv_heads, group, head_dim),
+                           ((0, 0), (0, 0), (0, padded - group), (0, 0)))
+        out = pallas_gpu_ragged_paged_attention(
+            q_padded.reshape(num_tokens, num_kv_heads * padded, head_dim), cache, layer, md,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            interpret=interpret, block_q=block_q, pages_per_block=pages_per_block,
+            num_kv_splits=num_kv_splits)
+        out = out.reshape(num_tokens, num_kv_heads, padded, head_dim)[:, :, :group]
+        return out.reshape(num_tokens, num_heads, head_dim)
+    block_q, pages_per_block, num_kv_splits = _block_sizes(
+        q, cache, md, block_q, pages_per_block, num_kv_splits)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     return _attention(q, cache, jnp.asarray(layer, jnp.int32), md, sm_scale=float(sm_scale),
                       sliding_window=sliding_window, soft_cap=soft_cap,
-                      interpret=bool(interpret))
+                      interpret=bool(interpret), block_q=block_q,
+                      pages_per_block=pages_per_block, num_kv_splits=num_kv_splits)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret"))
-def _attention(q, cache, layer, md, *, sm_scale, sliding_window, soft_cap, interpret):
+def _work_items(md: AttentionMetadata, block_q: int, num_items: int):
+    """Cut each sequence's query rows into blocks of `block_q`: per item its sequence, first
+    row, KV position of that row and row count; and each sequence's first item."""
+    qsl = md.query_start_loc
+    q_lens = qsl[1:] - qsl[:-1]                 # [S]
+    blocks = (q_lens + block_q - 1) // block_q  # [S]
+    ends = jnp.cumsum(blocks)
+    first_item = ends - blocks
+    items = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, items, side="right"), len(q_lens) - 1)
+    seq = seq.astype(jnp.int32)
+    offset = (items - first_item[seq]) * block_q  # first row's offset within the sequence
+    row0 = qsl[seq] + offset
+    pos0 = md.kv_lens[seq] - q_lens[seq] + offset
+    nrows = jnp.where(items < ends[-1], jnp.clip(q_lens[seq] - offset, 0, block_q), 0)
+    return (seq, row0, pos0, nrows.astype(jnp.int32)), first_item
+
+
+def _merge_splits(o, lse):
+    """Log-sum-exp merge of per-split outputs: o [..., K, D], lse [..., K] -> [..., D]."""
+    m = jnp.max(lse, axis=-1, keepdims=True)
+    w = jnp.exp(lse - jnp.where(m == -jnp.inf, 0.0, m))  # empty splits: weight 0
+    denom = jnp.sum(w, axis=-1, keepdims=True)
+    return jnp.sum(w[..., None] * o, axis=-2) / jnp.where(denom > 0, denom, 1.0)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
+                                             "interpret", "block_q", "pages_per_block",
+                                             "num_kv_splits"))
+def _attention(q, cache, layer, md, *, sm_scale, sliding_window, soft_cap, interpret,
+               block_q, pages_per_block, num_kv_splits):
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = cache.k.shape[3]
     group = num_heads // num_kv_heads
-    seq, q_pos, valid = _token_layout(md, num_tokens)
-    q_grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    num_seqs, max_pages = md.page_tables.shape
+    num_items = _cdiv(num_tokens, block_q) + num_seqs
+    num_rows = block_q * group
 
+    pages_per_split = _cdiv(_cdiv(max_pages, num_kv_splits), pages_per_block) * pages_per_block
+    # Pad the page table so every block of every split reads inside it (page 0, masked).
+    tables = jnp.pad(md.page_tables, ((0, 0), (0, num_kv_splits * pages_per_split - max_pages)))
+    items, first_item = _work_items(md, block_q, num_items)
+
+    part_dtype = q.dtype if num_kv_splits == 1 else jnp.float32
     whole = pl.BlockSpec()  # the full array, indexed inside the kernel
-    row_block = pl.BlockSpec((None, None, group, head_dim), lambda t, h: (t, h, 0, 0))
     kernel = functools.partial(_kernel, sm_scale=sm_scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap)
-    out = pl.pallas_call(
+                               soft_cap=soft_cap, group=group, pages_per_block=pages_per_block,
+                               pages_per_split=pages_per_split)
+    o, lse = pl.pallas_call(
         kernel,
-        grid=(num_tokens, num_kv_heads),
-        in_specs=[whole] * 6 + [row_block, whole, whole],
-        out_specs=row_block,
-        out_shape=jax.ShapeDtypeStruct(q_grouped.shape, q.dtype),
+        grid=(num_items, num_kv_heads, num_kv_splits),
+        in_specs=[whole] * 9,
+        out_specs=[
+            pl.BlockSpec((None, None, None, num_rows, head_dim),
+                         lambda i, h, k: (i, h, k, 0, 0)),
+            pl.BlockSpec((None, None, None, num_rows), lambda i, h, k: (i, h, k, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_items, num_kv_heads, num_kv_splits, num_rows, head_dim),
+                                 part_dtype),
+            jax.ShapeDtypeStruct((num_items, num_kv_heads, num_kv_splits, num_rows),
+                                 jnp.float32),
+        ],
         interpret=interpret,
         # Picks the Triton lowering; without it jax 0.10 lowers GPU pallas_calls to Mosaic GPU.
-        compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
-        name="ragged_paged_attention_row",
-    )(layer.reshape(1), seq, q_pos, valid.astype(jnp.int32), md.kv_lens, md.page_tables,
-      q_grouped, cache.k, cache.v)
+        # num_warps / num_stages are unmeasured guesses.
+        compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
+        name="ragged_paged_attention",
+    )(layer.reshape(1), *items, tables, q, cache.k, cache.v)
+
+    # Gather each query row's tile rows back: [T, Hkv, K, group, ...].
+    seq, _, valid = _token_layout(md, num_tokens)
+    offset = jnp.arange(num_tokens, dtype=jnp.int32) - md.query_start_loc[seq]
+    item = jnp.clip(first_item[seq] + offset // block_q, 0, num_items - 1)
+    local = offset % block_q
+    o = o.reshape(num_items, num_kv_heads, num_kv_splits, block_q, group, head_dim)
+    o = o[item, :, :, local]  # [T, Hkv, K, group, D]
+    if num_kv_splits == 1:
+        out = o[:, :, 0]
+    else:
+        lse = lse.reshape(num_items, num_kv_heads, num_kv_splits, block_q, group)[item, :, :, local]
+        out = _merge_splits(jnp.moveaxis(o, 2, -2), jnp.moveaxis(lse, 2, -1))
+    out = jnp.where(valid[:, None, None, None], out, 0).astype(q.dtype)
     return out.reshape(num_tokens, num_heads, head_dim)

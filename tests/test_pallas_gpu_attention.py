@@ -1,89 +1,133 @@
-"""The Pallas GPU ragged paged attention kernel, interpreted on CPU, against the reference."""
+"""The Pallas GPU ragged paged attention kernel, interpreted on CPU, against the reference and
+the float64 oracle; plus a CUDA lowering from CPU that must produce a Triton call."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ops.attention import AttentionMetadata, KVCache, ref_ragged_paged_attention
-from ops.pallas_gpu_attention import pallas_gpu_ragged_paged_attention
+from ops.pallas_gpu_attention import _block_sizes, pallas_gpu_ragged_paged_attention
+from tests.attention_cases import (
+    LAYER,
+    MATRIX,
+    MATRIX_IDS,
+    NUM_LAYERS,
+    Case,
+    case_from,
+    check_kernel,
+    make_case,
+)
 
-PAGE_SIZE = 16
-NUM_LAYERS = 2
-NUM_PAGES = 16
-# (q_len, kv_len) per sequence: a decode token; a prefill chunk ending exactly on a page
-# boundary; a chunk one token past a boundary; a first-chunk prefill; a padded empty one.
-SEQS = [(1, 5), (16, 32), (3, 33), (7, 7), (0, 0)]
-NUM_TOKENS = 32  # 27 real rows, 5 padded ones
-
-
-def _metadata(rng) -> AttentionMetadata:
-    q_lens = [q for q, _ in SEQS]
-    query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    max_pages = 4
-    free = list(rng.permutation(np.arange(1, NUM_PAGES)))  # page 0 is the dummy page
-    page_tables = np.zeros((len(SEQS), max_pages), np.int32)
-    for s, (_, kv_len) in enumerate(SEQS):
-        for j in range(-(-kv_len // PAGE_SIZE)):
-            page_tables[s, j] = free.pop()
-    return AttentionMetadata(
-        slot_mapping=jnp.zeros(NUM_TOKENS, jnp.int32),
-        query_start_loc=jnp.asarray(query_start_loc),
-        kv_lens=jnp.asarray([kv for _, kv in SEQS], jnp.int32),
-        page_tables=jnp.asarray(page_tables),
-    )
+kernel = functools.partial(pallas_gpu_ragged_paged_attention, interpret=True)
 
 
-def _case(num_kv_heads, group, head_dim, seed=0):
+def _mixed(group=4, page_size=16, **kw) -> Case:
+    return make_case("mixed", num_kv_heads=2, group=group, head_dim=64, page_size=page_size,
+                     **kw)
+
+
+def _long_case(page_size=16, seed=0) -> Case:
+    """Long-ish contexts: two decode tokens and a 40-row prefill chunk at ~600 keys."""
     rng = np.random.default_rng(seed)
-    shape = (NUM_LAYERS, NUM_PAGES, PAGE_SIZE, num_kv_heads, head_dim)
-    cache = KVCache(jnp.asarray(rng.standard_normal(shape), jnp.float32),
-                    jnp.asarray(rng.standard_normal(shape), jnp.float32))
-    q = jnp.asarray(rng.standard_normal((NUM_TOKENS, num_kv_heads * group, head_dim)),
-                    jnp.float32)
-    return q, cache, _metadata(rng)
+    seqs = [(1, 600), (40, 577), (1, 33), (0, 0)]
+    max_pages = -(-max(kv for _, kv in seqs) // page_size)
+    num_pages = sum(-(-kv // page_size) for _, kv in seqs) + 1
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    tables = np.zeros((len(seqs), max_pages), np.int32)
+    for s, (_, kv) in enumerate(seqs):
+        tables[s, :-(-kv // page_size)] = [free.pop() for _ in range(-(-kv // page_size))]
+    num_tokens = sum(q for q, _ in seqs) + 3
+    shape = (NUM_LAYERS, num_pages, page_size, 2, 64)
+    md = AttentionMetadata(
+        slot_mapping=jnp.zeros(num_tokens, jnp.int32),
+        query_start_loc=jnp.asarray(np.cumsum([0] + [q for q, _ in seqs]), jnp.int32),
+        kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),
+        page_tables=jnp.asarray(tables))
+    return Case(jnp.asarray(rng.standard_normal((num_tokens, 8, 64)), jnp.float32),
+                KVCache(jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                        jnp.asarray(rng.standard_normal(shape), jnp.float32)),
+                md, seqs)
 
 
-def _check(q, cache, md, **kw):
-    sm_scale = q.shape[-1] ** -0.5
-    out = pallas_gpu_ragged_paged_attention(q, cache, 1, md, sm_scale=sm_scale,
-                                            interpret=True, **kw)
-    ref = ref_ragged_paged_attention(q, cache, 1, md, sm_scale=sm_scale, **kw)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert not np.isnan(np.asarray(out)).any()
-    rel = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
-    assert rel < 1e-5, rel
-    num_real = int(md.query_start_loc[-1])
-    np.testing.assert_array_equal(np.asarray(out[num_real:]), 0.0)
-
-
-@pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_matches_reference(group, head_dim):
-    _check(*_case(num_kv_heads=2, group=group, head_dim=head_dim))
+@pytest.mark.parametrize("params", MATRIX, ids=MATRIX_IDS)
+def test_matches_reference(params):
+    check_kernel(kernel, case_from(params))
 
 
 @pytest.mark.parametrize("sliding_window", [1, 5, 16])
 def test_sliding_window(sliding_window):
-    _check(*_case(num_kv_heads=2, group=4, head_dim=64), sliding_window=sliding_window)
+    check_kernel(kernel, _mixed(), sliding_window=sliding_window)
 
 
 def test_soft_cap():
-    _check(*_case(num_kv_heads=1, group=4, head_dim=64), soft_cap=2.0)
+    check_kernel(kernel, make_case("prefill", num_kv_heads=1, group=4, head_dim=64,
+                                   page_size=16), soft_cap=2.0)
 
 
 def test_soft_cap_and_window():
-    _check(*_case(num_kv_heads=2, group=1, head_dim=64), soft_cap=5.0, sliding_window=8)
+    check_kernel(kernel, _mixed(group=1), soft_cap=5.0, sliding_window=8)
 
 
-def test_default_interpret_on_cpu():
-    q, cache, md = _case(num_kv_heads=1, group=2, head_dim=64)
-    out = pallas_gpu_ragged_paged_attention(q, cache, 0, md, sm_scale=0.125)
-    ref = ref_ragged_paged_attention(q, cache, 0, md, sm_scale=0.125)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+# The mixed case has 4 page-table columns, so 4 splits of 2 pages leave splits with no page
+# at all, and 8 splits of 1 page more so; with a window, early splits see no key either.
+@pytest.mark.parametrize("splits, block_q, pages_per_block, sliding_window", [
+    (1, 4, 1, None), (1, 16, 4, 5), (2, 8, 1, 5), (4, 4, 2, 5), (8, 16, 1, None),
+])
+def test_explicit_tuning(splits, block_q, pages_per_block, sliding_window):
+    tuned = functools.partial(kernel, num_kv_splits=splits, block_q=block_q,
+                              pages_per_block=pages_per_block)
+    check_kernel(tuned, _mixed(), sliding_window=sliding_window)
+
+
+def test_long_context_splits_by_default():
+    case = _long_case()
+    _, _, splits = _block_sizes(case.q, case.cache, case.md, None, None, None)
+    assert splits > 1
+    check_kernel(kernel, case)
+
+
+def test_pages_smaller_than_a_dot_tile():
+    """8-token pages: a K/V tile needs at least two pages; one is refused."""
+    check_kernel(kernel, _mixed(page_size=8))
+    case = _mixed(page_size=8)
+    with pytest.raises(ValueError, match=r"pages_per_block \* page_size"):
+        kernel(case.q, case.cache, 0, case.md, sm_scale=0.125, pages_per_block=1)
+
+
+def test_traced_layer_under_jit_and_scan():
+    """The model calls the kernel with the layer index traced, inside lax.scan over layers;
+    also the default `interpret=None`, which interprets on CPU."""
+    case = _mixed()
+    sm_scale = 0.125
+    attend = lambda layer: pallas_gpu_ragged_paged_attention(case.q, case.cache, layer,
+                                                             case.md, sm_scale=sm_scale)
+    _, per_layer = jax.lax.scan(lambda c, layer: (c, attend(layer)), None,
+                                jnp.arange(NUM_LAYERS))
+    for layer in range(NUM_LAYERS):
+        ref = ref_ragged_paged_attention(case.q, case.cache, layer, case.md, sm_scale=sm_scale)
+        np.testing.assert_allclose(per_layer[layer], ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(jax.jit(attend)(layer), ref, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(per_layer[0], per_layer[1])  # the layer index is really used
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_lowers_to_triton_for_cuda(splits):
+    """Runs the Pallas-to-Triton lowering from CPU (no GPU, and no Triton compile)."""
+    case = _mixed(dtype=jnp.bfloat16)
+    attend = jax.jit(functools.partial(pallas_gpu_ragged_paged_attention, sm_scale=0.125,
+                                       interpret=False, num_kv_splits=splits,
+                                       sliding_window=8, soft_cap=5.0))
+    text = attend.trace(case.q, case.cache, LAYER, case.md).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
+    assert f"grid_z = {splits} " in text
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -97,6 +141,26 @@ def test_default_interpret_on_cpu():
     (lambda q, c, md: (q[0], c, md), r"\[T, H, D\]"),
 ])
 def test_bad_inputs_raise(bad, match):
-    q, cache, md = bad(*_case(num_kv_heads=2, group=2, head_dim=64))
+    case = _mixed(group=2)
+    q, cache, md = bad(case.q, case.cache, case.md)
     with pytest.raises(ValueError, match=match):
         pallas_gpu_ragged_paged_attention(q, cache, 0, md, sm_scale=0.125)
+
+
+@pytest.mark.parametrize("tuning, match", [
+    (dict(block_q=3), "block_q must be a power of two"),
+    (dict(block_q=4), r"block_q \* group"),  # 4 rows * group 2 < 16
+    (dict(pages_per_block=3), "pages_per_block must be a power of two"),
+    (dict(num_kv_splits=0), "num_kv_splits"),
+])
+def test_bad_tuning_raises(tuning, match):
+    case = _mixed(group=2)
+    with pytest.raises(ValueError, match=match):
+        pallas_gpu_ragged_paged_attention(case.q, case.cache, 0, case.md, sm_scale=0.125,
+                                          **tuning)
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_group_that_is_not_a_power_of_two(kind):
+    # SmolLM2-135M: 9 query heads over 3 KV heads; the kernel pads each group to 4 heads.
+    check_kernel(kernel, make_case(kind, num_kv_heads=3, group=3, head_dim=64, page_size=16))
