@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
+from engine import cluster
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -161,6 +162,9 @@ class AsyncEngine:
             stream.close()
 
     def _check_accepting(self) -> None:
+        if cluster.lost() is not None:
+            raise EngineDeadError(f"engine {self.name} is down: multi-host cluster lost "
+                                  f"({cluster.lost()})")
         if not self.alive:
             raise EngineDeadError(f"engine {self.name} is rebooting")
         if self.num_waiting >= self.config.max_waiting_requests:
@@ -200,7 +204,8 @@ class AsyncEngine:
             num_aborted=done.num_aborted + engine.num_aborted,
             compilations_after_warmup=(done.compilations_after_warmup
                                        + engine.runner.compilations_after_warmup),
-            num_restarts=self.num_restarts, alive=self.alive, warm=engine.runner.warm)
+            num_restarts=self.num_restarts, alive=self.alive and cluster.lost() is None,
+            warm=engine.runner.warm)
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -219,6 +224,8 @@ class AsyncEngine:
                 self._serve()
             except Exception as e:  # the engine died: fail its requests, rebuild it
                 self._reboot(e)
+                if cluster.lost() is not None:  # no rebuilding without the other processes
+                    return
 
     def _serve(self) -> None:
         while not self._stopping:
@@ -282,13 +289,16 @@ class AsyncEngine:
             num_aborted=self._retired.num_aborted + old.num_aborted,
             compilations_after_warmup=self._retired.compilations_after_warmup
             + old.runner.compilations_after_warmup)
-        while not self._stopping:
+        while not self._stopping and cluster.lost() is None:
             try:
                 self.engine = self._build()
                 break
             except Exception:
                 logger.exception("Rebuilding engine %s failed; retrying in 1s", self.name)
                 time.sleep(1.0)
+        if cluster.lost() is not None:
+            logger.error("Engine %s stays down: %s", self.name, cluster.lost())
+            return
         self.num_restarts += 1
         self.alive = True
         logger.info("Successfully rebooted engine %s", self.name)

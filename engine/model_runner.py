@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from engine import cluster
 from engine.batch import StepBatch, empty_batch
 from engine.config import EngineConfig
 from models.default_model import user_cache_dir
@@ -40,6 +41,20 @@ def enable_compilation_cache(directory: str | None = None) -> None:
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def init_distributed(coordinator_address: str, num_processes: int, process_id: int) -> int:
+    """Join the multi-process JAX runtime (before any other jax call); returns the number
+    of devices across all processes. CPU collectives go over gloo (GPUs and TPUs bring
+    their own)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Without this a follower that dies takes process 0 down with it (the coordination
+    # service terminates every task); with it process 0 lives to report the loss.
+    jax.config.update("jax_enable_recoverability", True)
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    logger.info("Process %d of %d: %d local and %d global devices", process_id, num_processes,
+                jax.local_device_count(), jax.device_count())
+    return jax.device_count()
 
 
 # Compilations are counted per runner: XLA reports each backend compile synchronously
@@ -72,6 +87,11 @@ class BucketMiss(RuntimeError):
 class ModelRunner:
     def __init__(self, config: EngineConfig, model=None):
         self.config = config
+        self.cluster = cluster.leader  # multi-host: followers mirror every device action
+        if self.cluster is not None:
+            if model is not None:
+                raise ValueError("a multi-host runner loads its model from config.model")
+            self.cluster.send("runner", config)
         if os.environ.get("XLASERVE_COMPILE_CACHE", "") != "off":
             enable_compilation_cache()
         if model is None:
@@ -150,6 +170,8 @@ class ModelRunner:
                 self.compilations_after_warmup += 1
                 raise BucketMiss(f"step shape {batch.bucket} is not in the warmed-up bucket table")
             exe = self._executables[batch.bucket] = self.compile_bucket(batch.bucket)
+        if self.cluster is not None:
+            self.cluster.send("run", (self.config.model, batch))
         _active.runner = self if self.warm else None
         try:
             outputs, self.kv = exe(self.state, self.kv, self._device_inputs(batch))
@@ -172,7 +194,7 @@ DEFAULT_ACCELERATOR_FRACTION = 0.9
 
 def device_memory_bytes() -> int:
     """Memory of one device: the accelerator's limit, or physical RAM on CPU."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

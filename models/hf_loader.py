@@ -47,5 +47,5 @@ def load_hf_params(directory: str | Path, cfg: ModelConfig, dtype) -> dict:
 
 
 def _host(handle, name: str) -> np.ndarray:
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # this process's CPU
         return np.asarray(handle.get_tensor(name))

@@ -55,6 +55,14 @@ def parser() -> argparse.ArgumentParser:
                         "(interpreted on CPU); pallas-gpu/pallas-tpu force one kernel")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split each model over this many devices (heads, MLP, vocabulary)")
+    p.add_argument("--coordinator-address", metavar="HOST:PORT",
+                   help="multi-host: process 0's address for jax.distributed (the step channel "
+                        "uses PORT + 1)")
+    p.add_argument("--num-processes", type=int, default=1,
+                   help="multi-host: processes serving together (the mesh spans all their "
+                        "devices; --tensor-parallel-size defaults to all of them)")
+    p.add_argument("--process-id", type=int, default=0,
+                   help="multi-host: this process's rank; 0 serves HTTP, the others follow")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
     p.add_argument("--seed", type=int, default=0)
@@ -66,10 +74,38 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def join_cluster(args) -> int | None:
+    """Multi-host: join jax.distributed; followers run until the leader goes and return an
+    exit status, process 0 returns None once every follower is connected."""
+    from engine import cluster
+    from engine.model_runner import init_distributed
+
+    if not args.coordinator_address:
+        logger.error("--num-processes > 1 needs --coordinator-address HOST:PORT")
+        return 2
+    num_devices = init_distributed(args.coordinator_address, args.num_processes,
+                                   args.process_id)
+    if args.process_id != 0:
+        return cluster.follow(args.coordinator_address)
+    if args.tensor_parallel_size == 1:
+        args.tensor_parallel_size = num_devices
+    if args.tensor_parallel_size != num_devices:
+        logger.error("multi-host: the mesh must span all %d devices of the %d processes, not "
+                     "--tensor-parallel-size %d", num_devices, args.num_processes,
+                     args.tensor_parallel_size)
+        return 2
+    cluster.leader = cluster.Leader(args.coordinator_address, args.num_processes - 1)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    if args.num_processes > 1:
+        status = join_cluster(args)
+        if status is not None:  # a follower's life is over
+            return status
     try:
         specs = [parse_model_arg(m) for m in (args.model or [None])]
         if args.served_model_name:
@@ -96,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
                     timeout_graceful_shutdown=5)
     finally:
         engines.shutdown()
+        if args.num_processes > 1:
+            from engine import cluster
+
+            cluster.leader.close()  # the followers exit
     return 0
 
 

@@ -29,42 +29,10 @@ SERVER_LIMITS = {"max_model_len": 512, "max_num_seqs": 16, "max_num_batched_toke
 @pytest.fixture(scope="session")
 def live_server(default_gguf, tmp_path_factory):
     """`python -m server` on 127.0.0.1 serving the default model: yields its base URL."""
-    import socket
-    import subprocess
-    import sys
-    import time
+    from servers import running_server
 
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("server") / "server.log"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in SERVER_LIMITS.items()]
-    cmd = [sys.executable, "-m", "server", "--port", str(port), "--api-key", SERVER_KEY,
-           "--max-waiting-requests", "256", *flags]
-    env = {**os.environ, "XLASERVE_NO_PROGRESS": "1"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}:\n"
-                                   f"{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not ready in time:\n{log.read_text()[-4000:]}")
-            time.sleep(0.5)
+    with running_server(["--api-key", SERVER_KEY, "--max-waiting-requests", "256", *flags],
+                        log) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()

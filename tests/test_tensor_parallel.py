@@ -10,6 +10,7 @@ import math
 import jax
 import numpy as np
 import pytest
+from tiny_models import save_tiny_hf
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -25,26 +26,6 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) d
 IDS = [5, 17, 3, 99, 42, 7, 150, 23, 61, 8, 200, 11, 77, 31, 2, 9, 120, 64, 33, 180]
 
 
-def _hf_tiny(tmp_path_factory, name: str, **extra):
-    """A tiny random HF model saved as safetensors; heads divide 8."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    cls = transformers.Qwen2Config if extra.pop("qwen2", False) else transformers.LlamaConfig
-    config = cls(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=8, max_position_embeddings=512, initializer_range=0.3,
-                 rms_norm_eps=1e-6, **extra)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    path = tmp_path_factory.mktemp(name)
-    model.save_pretrained(path, safe_serialization=True)
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers.models import WordLevel
-
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
-    HFTokenizer(WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
-    return path
-
-
 TINY = {
     # 8 KV heads: split as they are at every size
     "mha": dict(num_key_value_heads=8, tie_word_embeddings=False),
@@ -55,7 +36,7 @@ TINY = {
 
 @pytest.fixture(scope="module", params=list(TINY))
 def tiny(request, tmp_path_factory):
-    return _hf_tiny(tmp_path_factory, request.param, **TINY[request.param])
+    return save_tiny_hf(tmp_path_factory.mktemp(request.param), **TINY[request.param])
 
 
 def _decoder(path, size: int, backend: str = "reference") -> GreedyDecoder:
