@@ -50,7 +50,10 @@ def init_distributed(coordinator_address: str, num_processes: int, process_id: i
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # Without this a follower that dies takes process 0 down with it (the coordination
     # service terminates every task); with it process 0 lives to report the loss.
-    jax.config.update("jax_enable_recoverability", True)
+    try:
+        jax.config.update("jax_enable_recoverability", True)
+    except AttributeError:  # a jax without the flag: a dead follower then ends process 0
+        logger.warning("this jax cannot survive a dead follower (no jax_enable_recoverability)")
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
     logger.info("Process %d of %d: %d local and %d global devices", process_id, num_processes,
                 jax.local_device_count(), jax.device_count())

@@ -11,9 +11,10 @@ the op must read at least once (K and V of every visible position) over that tim
 rate as a fraction of the device's copy bandwidth measured in the same run (bytes read plus
 bytes written of a large device-to-device copy). Every implementation's output is first
 checked against the pure-JAX reference (relative error column), so a fast wrong kernel
-shows up as wrong; "ours x" is a row's time over our kernel's (above 1: ours is faster). Comparisons: the reference op compiled by XLA, and on decode batches
-JAX's bundled Pallas GPU paged attention (`jax.experimental.pallas.ops.gpu.paged_attention`,
-decode only, its own page layout prepared outside the timed region).
+shows up as wrong; "ours x" is a row's time over our kernel's (above 1: ours is faster).
+Comparisons: the reference op compiled by XLA, and on decode batches JAX's bundled Pallas
+GPU paged attention (`jax.experimental.pallas.ops.gpu.paged_attention`, decode only, its own
+page layout prepared outside the timed region).
 
 `--smoke` runs tiny shapes in Pallas interpret mode on CPU (the CI smoke test); its times
 are meaningless. Real numbers come from a GPU (or TPU) only.
