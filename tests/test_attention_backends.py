@@ -35,7 +35,10 @@ def reference_tokens(default_gguf):
     return _greedy(default_gguf, "reference")
 
 
-@pytest.mark.parametrize("backend", ["pallas"])
+@pytest.mark.parametrize("backend", [
+    "pallas",  # on CPU: the GPU kernel, interpreted
+    pytest.param("pallas-tpu", marks=pytest.mark.slow),  # TPU interpret mode: about 3 minutes
+])
 def test_pallas_greedy_equals_reference(default_gguf, reference_tokens, backend):
     assert _greedy(default_gguf, backend) == reference_tokens
 

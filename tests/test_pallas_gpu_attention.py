@@ -11,10 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from ops.attention import AttentionMetadata, KVCache, ref_ragged_paged_attention
-from ops.pallas_gpu_attention import _block_sizes, pallas_gpu_ragged_paged_attention
-from tests.attention_cases import (
+from attention_cases import (
     LAYER,
     MATRIX,
     MATRIX_IDS,
@@ -24,6 +21,9 @@ from tests.attention_cases import (
     check_kernel,
     make_case,
 )
+
+from ops.attention import AttentionMetadata, KVCache, ref_ragged_paged_attention
+from ops.pallas_gpu_attention import _block_sizes, pallas_gpu_ragged_paged_attention
 
 kernel = functools.partial(pallas_gpu_ragged_paged_attention, interpret=True)
 

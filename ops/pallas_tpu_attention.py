@@ -1,0 +1,324 @@
+"""Ragged paged attention as a Pallas TPU (Mosaic) kernel; runs on CPU in TPU interpret mode.
+
+Same signature and semantics as `ref_ragged_paged_attention` in ops/attention.py.
+
+Design. Outside the kernel (plain JAX) the ragged batch is cut into a static number of
+*work items*, each up to `block_q` query rows of ONE sequence; there are at most
+cdiv(T, block_q) + S of them, the spare ones empty. Their rows are gathered into a padded
+[items, Hkv, block_q * group, D] query array, so a KV head's `group` query heads sit in one
+[block_q * group, D] tile (GQA by folding the group into the matmul's M dimension), and the
+padded output is gathered back to [T, H, D] afterwards: the kernel never writes ragged rows.
+
+The grid is (work item, KV head). Scalar prefetch (SMEM) holds the layer, each item's
+sequence, first query position and row count, the KV lengths and the flattened page tables.
+K/V stay in HBM; for each block of `pages_per_block` pages the kernel DMAs the pages it
+needs for its head into a VMEM buffer with two slots, starting the next block's copies
+before computing the current one (double buffering, one DMA semaphore per slot and K/V).
+Only pages inside the item's causal / sliding-window range are copied; blocks outside it
+are not visited. Across blocks it keeps a flash-attention running max, denominator and
+float32 accumulator; rows with no visible key (padding) come out as exact zeros.
+
+Block sizes (keyword overrides `block_q`, `pages_per_block`): block_q defaults to the mean
+query length T / S rounded up to a power of two, clamped so block_q * group lies in
+[8, MAX_BLOCK_ROWS]; pages_per_block defaults to TARGET_BLOCK_KV // page_size (at least 1,
+at most the page table's width).
+
+Limits:
+- SMEM: the page tables (S x max_pages int32) and three int32 per work item are scalar
+  prefetch; this must fit the core's SMEM (1 MiB on TPU v4 and later, 16 KiB on v2/v3).
+  `_validate` rejects more than 1 MiB.
+- Tiling on a real TPU: page_size must be a multiple of 8 (float32) or 16 (bfloat16) so
+  pages stack into a [block_kv, D] buffer along sublanes; head_dim must be a multiple of
+  64 (128 fills the lanes; 64 pads them to half use). float32 and bfloat16 only.
+- A KV head's page is a strided [page_size, D] slice of the [L, P, page_size, Hkv, D] cache;
+  a head-major cache layout would make these DMAs contiguous.
+- Double buffering is within a work item: an item's first KV block is not prefetched
+  during the previous grid step, so each (item, head) step starts with one exposed DMA.
+  A decode row in a batch whose default block_q > 1 occupies a whole block_q-row tile.
+- Mosaic kernels are not partitioned automatically: under a mesh, wrap in `shard_map`.
+- Tested only in TPU interpret mode on CPU, plus Pallas's Mosaic lowering (jax.export for
+  platform "tpu"); never compiled by libtpu, run or timed on TPU hardware.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ops.attention import AttentionMetadata, KVCache, _token_layout
+
+SMEM_BYTES = 1 << 20   # per TensorCore on TPU v4 and later
+TARGET_BLOCK_KV = 512  # keys per KV block when pages_per_block is not given
+MAX_BLOCK_ROWS = 128   # block_q * group when block_q is not given (one MXU pass of rows)
+
+
+def _kernel(
+    # Scalar prefetch (SMEM).
+    layer_ref,      # [1]: which layer's pages to read
+    item_seq_ref,   # [W]: the sequence of each work item
+    item_pos_ref,   # [W]: position in its sequence of the item's first query row
+    item_rows_ref,  # [W]: real query rows in the item (0 for spare items)
+    kv_lens_ref,    # [S]
+    tables_ref,     # [S * max_pages]: page tables, flattened
+    # Inputs.
+    q_ref,          # [block_q * group, D] (VMEM): row r is query row r // group, head r % group
+    k_hbm,          # [L, P, page_size, Hkv, D] (HBM)
+    v_hbm,          # [L, P, page_size, Hkv, D] (HBM)
+    # Output.
+    o_ref,          # [block_q * group, D] (VMEM)
+    # Scratch.
+    k_buf,          # [2, block_kv, D] (VMEM): two slots of pages_per_block pages
+    v_buf,          # [2, block_kv, D] (VMEM)
+    sems,           # DMA semaphores [2, 2]: (K or V, slot)
+    *,
+    group: int,
+    pages_per_block: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    item, head = pl.program_id(0), pl.program_id(1)
+    num_rows_q, head_dim = q_ref.shape
+    page_size = k_hbm.shape[2]
+    block_kv = pages_per_block * page_size
+    max_pages = tables_ref.shape[0] // kv_lens_ref.shape[0]
+    layer, seq = layer_ref[0], item_seq_ref[item]
+    first_pos, num_rows = item_pos_ref[item], item_rows_ref[item]
+
+    # Pages holding keys some row of this item may see: [first_page, last_page].
+    last_pos = first_pos + num_rows - 1
+    lowest_key = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    # lax.div / lax.rem: these are non-negative where it matters, and jnp's floor
+    # semantics would lower to sign fix-ups.
+    first_page, last_page = lax.div(lowest_key, page_size), lax.div(last_pos, page_size)
+    first_block = lax.div(first_page, pages_per_block)
+    end_block = jnp.where(num_rows > 0, lax.div(last_page, pages_per_block) + 1, first_block)
+
+    def for_each_page_copy(block, slot, action):
+        """Apply `action` ("start" or "wait") to the copy of each needed page of KV block
+        `block` (K and V) into buffer slot `slot`."""
+        def one_page(j, _):
+            col = block * pages_per_block + j
+            page = tables_ref[seq * max_pages + jnp.minimum(col, max_pages - 1)]
+            rows = pl.ds(pl.multiple_of(j * page_size, page_size), page_size)
+
+            @pl.when((col >= first_page) & (col <= last_page))
+            def _():
+                for kind, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
+                    copy = pltpu.make_async_copy(hbm.at[layer, page, :, head, :],
+                                                 buf.at[slot, rows], sems.at[kind, slot])
+                    getattr(copy, action)()
+            return 0
+
+        lax.fori_loop(0, pages_per_block, one_page, 0)
+
+    q = q_ref[...]  # [block_q * group, D]
+    shape = (num_rows_q, block_kv)
+    q_index = lax.div(lax.broadcasted_iota(jnp.int32, shape, 0), group)
+    q_pos = first_pos + q_index                                 # [block_q * group, block_kv]
+    row_ok = q_index < num_rows
+    key_offset = lax.broadcasted_iota(jnp.int32, shape, 1)      # [block_q * group, block_kv]
+    buf_row = lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)  # [block_kv, 1]
+
+    def body(block, carry):
+        m_prev, l_prev, acc = carry  # [M, 1], [M, 1], [M, D] with M = block_q * group
+        slot = lax.rem(block - first_block, 2)
+
+        @pl.when(block + 1 < end_block)
+        def _prefetch_next():
+            for_each_page_copy(block + 1, 1 - slot, "start")
+
+        for_each_page_copy(block, slot, "wait")
+        k, v = k_buf[slot], v_buf[slot]  # [block_kv, D]
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * sm_scale  # [M, block_kv]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kv_pos = block * block_kv + key_offset
+        mask = row_ok & (kv_pos <= q_pos)
+        if sliding_window is not None:
+            mask &= kv_pos > q_pos - sliding_window
+        s = jnp.where(mask, s, -jnp.inf)  # also drops logits of slots that were not copied
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing visible yet
+        correction = jnp.exp(m_prev - m_safe)
+        p = jnp.exp(s - m_safe)
+        l_next = correction * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        # Slots of pages that were not copied hold stale or uninitialised data (NaN in
+        # interpret mode); p is 0 there, but 0 * NaN is not, so zero those V rows.
+        buf_pos = block * block_kv + buf_row
+        copied = (buf_pos >= first_page * page_size) & (buf_pos < (last_page + 1) * page_size)
+        v = jnp.where(copied, v, jnp.zeros_like(v))
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [M, D]
+        return m_next, l_next, correction * acc + pv
+
+    @pl.when(first_block < end_block)
+    def _prefetch_first():
+        for_each_page_copy(first_block, 0, "start")
+
+    init = (jnp.full((num_rows_q, 1), -jnp.inf, jnp.float32),
+            jnp.zeros((num_rows_q, 1), jnp.float32),
+            jnp.zeros((num_rows_q, head_dim), jnp.float32))
+    _, denom, acc = lax.fori_loop(first_block, end_block, body, init)
+    o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)).astype(o_ref.dtype)
+
+
+def _validate(q, cache: KVCache, md: AttentionMetadata, block_q, pages_per_block):
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, H, D], got shape {q.shape}")
+    if cache.k.ndim != 5 or cache.k.shape != cache.v.shape:
+        raise ValueError(f"cache k/v must both be [L, P, page, Hkv, D], got "
+                         f"{cache.k.shape} and {cache.v.shape}")
+    _, num_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, kv_head_dim = cache.k.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {kv_head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} not divisible by num_kv_heads {num_kv_heads}")
+    if q.dtype != cache.k.dtype or cache.k.dtype != cache.v.dtype:
+        raise ValueError(f"dtypes must match: q {q.dtype}, k {cache.k.dtype}, v {cache.v.dtype}")
+    if q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {q.dtype}")
+    # TPU tiling: pages stack along sublanes (8 rows of 32 bits, 16 of bf16); D fills lanes.
+    sublanes = 8 * (4 // q.dtype.itemsize)
+    if page_size % sublanes:
+        raise ValueError(f"page_size must be a multiple of {sublanes} for {q.dtype}, "
+                         f"got {page_size}")
+    if head_dim % 64:
+        raise ValueError(f"head_dim must be a multiple of 64, got {head_dim}")
+    for name in ("query_start_loc", "kv_lens", "page_tables"):
+        if getattr(md, name).dtype != jnp.int32:
+            raise ValueError(f"md.{name} must be int32, got {getattr(md, name).dtype}")
+    num_seqs = md.kv_lens.shape[0]
+    if md.query_start_loc.shape != (num_seqs + 1,) or md.page_tables.ndim != 2 \
+            or md.page_tables.shape[0] != num_seqs or num_seqs == 0:
+        raise ValueError(f"metadata shapes disagree: query_start_loc {md.query_start_loc.shape}, "
+                         f"kv_lens {md.kv_lens.shape}, page_tables {md.page_tables.shape}")
+    for name, n in (("block_q", block_q), ("pages_per_block", pages_per_block)):
+        if n is not None and (not isinstance(n, int) or n < 1):
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+
+
+def _default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
+    """Rows per work item: the mean query length rounded up to a power of two, kept so
+    that block_q * group spans at least a sublane tile and at most MAX_BLOCK_ROWS."""
+    mean = -(-num_tokens // num_seqs)
+    lo, hi = max(1, 8 // group), max(1, MAX_BLOCK_ROWS // group)
+    return min(max(1 << (mean - 1).bit_length(), lo), hi)
+
+
+def pallas_tpu_ragged_paged_attention(
+    q: jax.Array,          # [T, H, D]
+    cache: KVCache,
+    layer,                 # scalar int, may be traced: which layer's pages to read
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool | pltpu.InterpretParams | None = None,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+) -> jax.Array:            # [T, H, D]
+    """Ragged paged attention; `interpret=None` interprets unless the backend is a TPU, and
+    `InterpretParams` (e.g. with `detect_races=True`) pick how. `block_q` (query rows per
+    work item) and `pages_per_block` (pages per KV block) default per shape."""
+    _validate(q, cache, md, block_q, pages_per_block)
+    num_tokens, num_heads, _ = q.shape
+    num_kv_heads, page_size = cache.k.shape[3], cache.page_size
+    num_seqs, max_pages = md.page_tables.shape
+    group = num_heads // num_kv_heads
+    if block_q is None:
+        block_q = _default_block_q(num_tokens, num_seqs, group)
+    if pages_per_block is None:
+        pages_per_block = max(1, min(max_pages, TARGET_BLOCK_KV // page_size))
+    num_items = -(-num_tokens // block_q) + num_seqs
+    smem = 4 * (1 + 3 * num_items + num_seqs + num_seqs * max_pages)
+    if smem > SMEM_BYTES:
+        raise ValueError(f"scalar prefetch needs {smem} bytes of SMEM (page tables "
+                         f"{num_seqs} x {max_pages}), more than {SMEM_BYTES}")
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    if not isinstance(interpret, pltpu.InterpretParams):
+        interpret = pltpu.InterpretParams() if interpret else False
+    return _attention(q, cache, jnp.asarray(layer, jnp.int32), md, sm_scale=float(sm_scale),
+                      sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q,
+                      pages_per_block=pages_per_block, interpret=interpret)
+
+
+def _work_items(md: AttentionMetadata, num_items: int, block_q: int):
+    """Cut each sequence's query rows into items of up to block_q rows. Returns, per item
+    ([W] int32 each): sequence, first query row, position of that row in its sequence and
+    number of real rows; plus each sequence's first item ([S])."""
+    num_seqs = md.kv_lens.shape[0]
+    starts = md.query_start_loc
+    q_lens = starts[1:] - starts[:-1]
+    blocks = (q_lens + block_q - 1) // block_q
+    items_end = jnp.cumsum(blocks).astype(jnp.int32)
+    items_start = items_end - blocks
+    item = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.searchsorted(items_end, item, side="right").astype(jnp.int32)
+    spare = seq >= num_seqs
+    seq = jnp.minimum(seq, num_seqs - 1)
+    offset = (item - items_start[seq]) * block_q  # of the item's first row within the sequence
+    first_row = starts[seq] + offset
+    num_rows = jnp.where(spare, 0, jnp.clip(q_lens[seq] - offset, 0, block_q))
+    first_pos = md.kv_lens[seq] - q_lens[seq] + offset
+    return seq, first_row, first_pos, num_rows, items_start
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
+                                             "block_q", "pages_per_block", "interpret"))
+def _attention(q, cache, layer, md, *, sm_scale, sliding_window, soft_cap, block_q,
+               pages_per_block, interpret):
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = cache.k.shape[3], cache.page_size
+    group = num_heads // num_kv_heads
+    num_items = -(-num_tokens // block_q) + md.kv_lens.shape[0]
+    block_rows = block_q * group
+    seq, first_row, first_pos, num_rows, items_start = _work_items(md, num_items, block_q)
+
+    # [W, Hkv, block_q * group, D]: each item's rows, a KV head's query heads side by side.
+    rows = jnp.minimum(first_row[:, None] + jnp.arange(block_q), num_tokens - 1)  # [W, bq]
+    q_items = q[rows].reshape(num_items, block_q, num_kv_heads, group, head_dim)
+    q_items = q_items.transpose(0, 2, 1, 3, 4).reshape(num_items, num_kv_heads, block_rows,
+                                                       head_dim)
+
+    tile = pl.BlockSpec((None, None, block_rows, head_dim), lambda w, h, *_: (w, h, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = functools.partial(_kernel, group=group, pages_per_block=pages_per_block,
+                               sm_scale=sm_scale, sliding_window=sliding_window,
+                               soft_cap=soft_cap)
+    block_kv = pages_per_block * page_size
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(num_items, num_kv_heads),
+            in_specs=[tile, hbm, hbm],
+            out_specs=tile,
+            scratch_shapes=[pltpu.VMEM((2, block_kv, head_dim), cache.k.dtype),
+                            pltpu.VMEM((2, block_kv, head_dim), cache.k.dtype),
+                            pltpu.SemaphoreType.DMA((2, 2))],
+        ),
+        out_shape=jax.ShapeDtypeStruct(q_items.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+        name="ragged_paged_attention_tpu",
+    )(layer.reshape(1), seq, first_pos, num_rows, md.kv_lens, md.page_tables.reshape(-1),
+      q_items, cache.k, cache.v)
+
+    # Back to [T, H, D]: token t is row (t - first row of its item) of its item.
+    out = out.reshape(num_items, num_kv_heads, block_q, group, head_dim)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(num_items * block_q, num_heads, head_dim)
+    tok_seq, _, valid = _token_layout(md, num_tokens)
+    offset = jnp.arange(num_tokens, dtype=jnp.int32) - md.query_start_loc[tok_seq]
+    flat = (items_start[tok_seq] + offset // block_q) * block_q + offset % block_q
+    flat = jnp.clip(flat, 0, num_items * block_q - 1)
+    return jnp.where(valid[:, None, None], out[flat], jnp.zeros((), q.dtype))
