@@ -52,7 +52,10 @@ class Leader:
         self.lost: str | None = None
         self._lock = threading.Lock()
         self._conns: list[Connection] = []
-        listener = Listener(("0.0.0.0", port), authkey=_key())
+        if not os.environ.get("XLASERVE_CLUSTER_KEY"):
+            logger.warning("XLASERVE_CLUSTER_KEY is not set: the step channel uses the public "
+                           "default key; set a shared secret outside a private network")
+        listener = Listener((host, port), authkey=_key())  # process 0's own address
         logger.info("Waiting for %d follower(s) on port %d", num_followers, port)
         accept = threading.Thread(
             target=lambda: self._conns.extend(listener.accept() for _ in range(num_followers)),
@@ -68,9 +71,10 @@ class Leader:
                              name=f"follower-watch-{i}").start()
 
     def _watch(self, index: int, conn: Connection) -> None:
-        """Followers send nothing but a last word; EOF or a message means it is gone."""
+        """Followers send nothing but a last word (plain text, never unpickled here); EOF or
+        a message means it is gone."""
         try:
-            message = conn.recv()
+            message = conn.recv_bytes(4096).decode(errors="replace")
             reason = f"follower {index} failed: {message}"
         except (EOFError, OSError):
             reason = f"follower {index} disconnected"
@@ -142,7 +146,7 @@ def follow(coordinator_address: str, retry_for: float = 300.0) -> int:
     except Exception as e:
         logger.exception("Follower failed")
         try:
-            conn.send(f"{type(e).__name__}: {e}")
+            conn.send_bytes(f"{type(e).__name__}: {e}".encode()[:4096])
         except OSError:
             pass
         return 1

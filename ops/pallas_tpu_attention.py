@@ -247,9 +247,15 @@ def pallas_tpu_ragged_paged_attention(
         interpret = jax.default_backend() != "tpu"
     if not isinstance(interpret, pltpu.InterpretParams):
         interpret = pltpu.InterpretParams() if interpret else False
-    return _attention(q, cache, jnp.asarray(layer, jnp.int32), md, sm_scale=float(sm_scale),
-                      sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q,
-                      pages_per_block=pages_per_block, interpret=interpret)
+    out = _attention(q, cache, jnp.asarray(layer, jnp.int32), md, sm_scale=float(sm_scale),
+                     sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q,
+                     pages_per_block=pages_per_block, interpret=interpret)
+    if interpret and not isinstance(out, jax.core.Tracer):
+        # The TPU interpreter runs eager jax ops inside its host callbacks. An eager op of the
+        # caller's, queued behind the still-running kernel, deadlocked with them once
+        # (jax 0.10.2, CI): called eagerly, finish before returning.
+        out.block_until_ready()
+    return out
 
 
 def _work_items(md: AttentionMetadata, num_items: int, block_q: int):
