@@ -116,6 +116,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}",
                                         daemon=True)
         self._thread.start()
+        if cluster.leader is not None:
+            cluster.leader.on_lost(self._cluster_lost)
 
     def _build(self) -> LLMEngine:
         engine = self._factory(self.config)
@@ -266,12 +268,22 @@ class AsyncEngine:
         if stream is not None:
             stream.put(item)
 
+    def _cluster_lost(self, reason: str) -> None:
+        """From the cluster's watcher thread: fail every request now, whatever the engine
+        thread is doing (it may be blocked for good in a collective with the dead peer)."""
+        self.alive = False
+        self._fail_all(EngineDeadError(f"engine {self.name} failed: multi-host cluster lost "
+                                       f"({reason})"))
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        for request_id in list(self._streams):
+            self._send(request_id, error)
+
     def _reboot(self, error: Exception) -> None:
         self.alive = False
         logger.error("Engine %s is dead, rebooting", self.name, exc_info=error)
         failed = EngineDeadError(f"engine {self.name} failed: {type(error).__name__}: {error}")
-        for request_id in list(self._streams):
-            self._send(request_id, failed)
+        self._fail_all(failed)
         while True:  # requests queued meanwhile fail too: nothing waits on a dead engine
             try:
                 cmd = self._inbox.get_nowait()

@@ -50,6 +50,7 @@ class Leader:
     def __init__(self, coordinator_address: str, num_followers: int, timeout: float = 300.0):
         host, port = channel_address(coordinator_address)
         self.lost: str | None = None
+        self._on_lost: list = []
         self._lock = threading.Lock()
         self._conns: list[Connection] = []
         if not os.environ.get("XLASERVE_CLUSTER_KEY"):
@@ -78,9 +79,21 @@ class Leader:
             reason = f"follower {index} failed: {message}"
         except (EOFError, OSError):
             reason = f"follower {index} disconnected"
-        if self.lost is None:
-            self.lost = reason
-            logger.error("Cluster lost: %s", reason)
+        self._mark_lost(reason)
+
+    def on_lost(self, callback) -> None:
+        """Call `callback(reason)` (from a watcher thread) when the cluster is lost: an
+        engine thread blocked in a collective with a dead peer may never return, so the
+        engine fails its requests from here."""
+        self._on_lost.append(callback)
+
+    def _mark_lost(self, reason: str) -> None:
+        if self.lost is not None:
+            return
+        self.lost = reason
+        logger.error("Cluster lost: %s", reason)
+        for callback in self._on_lost:
+            callback(reason)
 
     def check(self) -> None:
         if self.lost is not None:
@@ -94,7 +107,7 @@ class Leader:
                 try:
                     conn.send(message)
                 except OSError as e:
-                    self.lost = self.lost or f"follower {i} unreachable: {e}"
+                    self._mark_lost(f"follower {i} unreachable: {e}")
         self.check()
 
     def close(self) -> None:

@@ -43,6 +43,9 @@ def enable_compilation_cache(directory: str | None = None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+_distributed = False  # set by init_distributed
+
+
 def init_distributed(coordinator_address: str, num_processes: int, process_id: int) -> int:
     """Join the multi-process JAX runtime (before any other jax call); returns the number
     of devices across all processes. CPU collectives go over gloo (GPUs and TPUs bring
@@ -55,6 +58,11 @@ def init_distributed(coordinator_address: str, num_processes: int, process_id: i
     except AttributeError:  # a jax without the flag: a dead follower then ends process 0
         logger.warning("this jax cannot survive a dead follower (no jax_enable_recoverability)")
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    # Seen on CPU (jax 0.10.2): with the persistent compilation cache warm, process 0 with 2
+    # devices and a follower with 1 hung in the first warmup step; with it off they did
+    # not. Multi-process runs compile afresh.
+    global _distributed
+    _distributed = True
     logger.info("Process %d of %d: %d local and %d global devices", process_id, num_processes,
                 jax.local_device_count(), jax.device_count())
     return jax.device_count()
@@ -95,7 +103,7 @@ class ModelRunner:
             if model is not None:
                 raise ValueError("a multi-host runner loads its model from config.model")
             self.cluster.send("runner", config)
-        if os.environ.get("XLASERVE_COMPILE_CACHE", "") != "off":
+        if os.environ.get("XLASERVE_COMPILE_CACHE", "") != "off" and not _distributed:
             enable_compilation_cache()
         if model is None:
             mesh = None

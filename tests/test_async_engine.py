@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 
 import pytest
 from fakes import make_engine, wait_until
@@ -171,3 +173,51 @@ def test_several_models_by_name(tokenizer):
         assert engines.names() == ["a", "b"]
     finally:
         engines.shutdown()
+
+
+def test_a_lost_follower_fails_requests_while_the_engine_thread_is_stuck(tokenizer,
+                                                                         monkeypatch):
+    """Multi-host: the engine thread can block for good in a collective with a dead peer;
+    the step channel's watcher must still fail the in-flight request and refuse new ones."""
+    from multiprocessing.connection import Client
+
+    from servers import free_port
+
+    from engine import cluster
+
+    monkeypatch.delenv("XLASERVE_CLUSTER_KEY", raising=False)
+    coordinator = f"127.0.0.1:{free_port(consecutive=2)}"
+    follower = []
+
+    def connect_when_listening():
+        while not follower:
+            try:
+                follower.append(Client(cluster.channel_address(coordinator),
+                                       authkey=cluster.DEFAULT_KEY))
+            except ConnectionRefusedError:
+                time.sleep(0.05)
+
+    connect = threading.Thread(target=connect_when_listening, daemon=True)
+    connect.start()
+    leader = cluster.Leader(coordinator, num_followers=1, timeout=30)
+    connect.join()
+    monkeypatch.setattr(cluster, "leader", leader)
+    engine, runners = make_engine(tokenizer)
+    runners[0].pause_after = 2  # the 2nd step never returns, like a collective with a dead peer
+
+    async def main():
+        stream = await engine.add_request([7] * 5, SamplingParams(max_tokens=50,
+                                                                  ignore_eos=True))
+        with pytest.raises(EngineDeadError, match=r"cluster lost \(follower 1 disconnected\)"):
+            async for _ in stream:
+                follower[0].close()  # the follower dies after the first token
+        assert not engine.stats().alive
+        with pytest.raises(EngineDeadError, match="cluster lost"):
+            await engine.add_request([7], SamplingParams(max_tokens=1))
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+        assert runners[0].calls == 2 and not runners[0].gate.is_set()  # still stuck
+    finally:
+        runners[0].gate.set()
+        engine.shutdown()
