@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
@@ -100,12 +101,14 @@ class Leader:
             raise ClusterLost(f"multi-host cluster lost ({self.lost}); restart all processes")
 
     def send(self, *message) -> None:
-        """The same command to every follower, before the leader runs it itself."""
+        """The same command to every follower, before the leader runs it itself (pickled
+        once, however many followers: this is on every step's path)."""
         self.check()
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             for i, conn in enumerate(self._conns, 1):
                 try:
-                    conn.send(message)
+                    conn.send_bytes(payload)  # what conn.recv() on the follower unpickles
                 except OSError as e:
                     self._mark_lost(f"follower {i} unreachable: {e}")
         self.check()

@@ -103,6 +103,68 @@ def _token_layout(md: AttentionMetadata, num_tokens: int):
     return seq, q_pos, valid & (rows < md.query_start_loc[-1])
 
 
+def check_inputs(q, cache: KVCache, md: AttentionMetadata) -> None:
+    """The shape, dtype and metadata checks every kernel makes (ValueError, never garbage);
+    each kernel adds its own tiling limits."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, H, D], got shape {q.shape}")
+    if cache.k.ndim != 5 or cache.k.shape != cache.v.shape:
+        raise ValueError(f"cache k/v must both be [L, P, page, Hkv, D], got "
+                         f"{cache.k.shape} and {cache.v.shape}")
+    _, num_heads, head_dim = q.shape
+    num_kv_heads, kv_head_dim = cache.k.shape[3:]
+    if kv_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {kv_head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} not divisible by num_kv_heads {num_kv_heads}")
+    if q.dtype != cache.k.dtype or cache.k.dtype != cache.v.dtype:
+        raise ValueError(f"dtypes must match: q {q.dtype}, k {cache.k.dtype}, v {cache.v.dtype}")
+    for name in ("query_start_loc", "kv_lens", "page_tables"):
+        if getattr(md, name).dtype != jnp.int32:
+            raise ValueError(f"md.{name} must be int32, got {getattr(md, name).dtype}")
+    num_seqs = md.kv_lens.shape[0]
+    if md.query_start_loc.shape != (num_seqs + 1,) or md.page_tables.ndim != 2 \
+            or md.page_tables.shape[0] != num_seqs or num_seqs == 0:
+        raise ValueError(f"metadata shapes disagree: query_start_loc {md.query_start_loc.shape}, "
+                         f"kv_lens {md.kv_lens.shape}, page_tables {md.page_tables.shape}")
+
+
+def num_work_items(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """A static bound on the work items of `work_items`: cdiv(T, block_q) + S."""
+    return -(-num_tokens // block_q) + num_seqs
+
+
+def work_items(md: AttentionMetadata, num_tokens: int, block_q: int):
+    """The kernels' unit of work: each sequence's query rows cut into items of up to
+    `block_q` rows of that one sequence (`num_work_items` of them, the spare ones empty).
+
+    Returns per item ([W] int32 each): its sequence, first query row, that row's position
+    in the sequence and its number of real rows; and per query row ([T] each) the item
+    holding it, its row within the item and whether it is real (for gathering a padded
+    [W, block_q, ...] output back to [T, ...]).
+    """
+    num_seqs = md.kv_lens.shape[0]
+    num_items = num_work_items(num_tokens, num_seqs, block_q)
+    starts = md.query_start_loc
+    q_lens = starts[1:] - starts[:-1]
+    blocks = (q_lens + block_q - 1) // block_q
+    items_end = jnp.cumsum(blocks).astype(jnp.int32)
+    items_start = items_end - blocks
+    item = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.searchsorted(items_end, item, side="right").astype(jnp.int32)
+    spare = seq >= num_seqs
+    seq = jnp.minimum(seq, num_seqs - 1)
+    offset = (item - items_start[seq]) * block_q  # of the item's first row within the sequence
+    first_row = starts[seq] + offset
+    first_pos = md.kv_lens[seq] - q_lens[seq] + offset
+    num_rows = jnp.where(spare, 0, jnp.clip(q_lens[seq] - offset, 0, block_q)).astype(jnp.int32)
+
+    row_seq, _, valid = _token_layout(md, num_tokens)
+    row_offset = jnp.arange(num_tokens, dtype=jnp.int32) - starts[row_seq]
+    row_item = jnp.clip(items_start[row_seq] + row_offset // block_q, 0, num_items - 1)
+    return (seq, first_row, first_pos, num_rows), (row_item, row_offset % block_q, valid)
+
+
 def ref_ragged_paged_attention(
     q: jax.Array,          # [T, H, D]
     cache: KVCache,

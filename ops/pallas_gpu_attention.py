@@ -46,7 +46,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from ops.attention import AttentionMetadata, KVCache, _token_layout
+from ops.attention import (
+    AttentionMetadata,
+    KVCache,
+    check_inputs,
+    num_work_items,
+    work_items,
+)
 
 # Tuning guesses (never measured on a GPU).
 _MIN_DOT_DIM = 16          # Triton's smallest dot dimension
@@ -151,33 +157,14 @@ def _pow2_ceil(n: int) -> int:
 
 
 def _validate(q, cache: KVCache, md: AttentionMetadata):
-    if q.ndim != 3:
-        raise ValueError(f"q must be [T, H, D], got shape {q.shape}")
-    if cache.k.ndim != 5 or cache.k.shape != cache.v.shape:
-        raise ValueError(f"cache k/v must both be [L, P, page, Hkv, D], got "
-                         f"{cache.k.shape} and {cache.v.shape}")
-    _, num_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, kv_head_dim = cache.k.shape
-    if kv_head_dim != head_dim:
-        raise ValueError(f"q head_dim {head_dim} != cache head_dim {kv_head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} not divisible by num_kv_heads {num_kv_heads}")
+    check_inputs(q, cache, md)
+    head_dim, page_size = q.shape[2], cache.page_size
     # Triton block shapes must be powers of two (a group that is not gets padded heads).
     for name, n in (("head_dim", head_dim), ("page_size", page_size)):
         if not _is_pow2(n):
             raise ValueError(f"{name} must be a power of two, got {n}")
     if head_dim < _MIN_DOT_DIM:
         raise ValueError(f"head_dim must be at least {_MIN_DOT_DIM}, got {head_dim}")
-    if q.dtype != cache.k.dtype or cache.k.dtype != cache.v.dtype:
-        raise ValueError(f"dtypes must match: q {q.dtype}, k {cache.k.dtype}, v {cache.v.dtype}")
-    for name in ("query_start_loc", "kv_lens", "page_tables"):
-        if getattr(md, name).dtype != jnp.int32:
-            raise ValueError(f"md.{name} must be int32, got {getattr(md, name).dtype}")
-    num_seqs = md.kv_lens.shape[0]
-    if md.query_start_loc.shape != (num_seqs + 1,) or md.page_tables.ndim != 2 \
-            or md.page_tables.shape[0] != num_seqs:
-        raise ValueError(f"metadata shapes disagree: query_start_loc {md.query_start_loc.shape}, "
-                         f"kv_lens {md.kv_lens.shape}, page_tables {md.page_tables.shape}")
 
 
 def _block_sizes(q, cache: KVCache, md: AttentionMetadata, block_q, pages_per_block,
@@ -195,7 +182,7 @@ def _block_sizes(q, cache: KVCache, md: AttentionMetadata, block_q, pages_per_bl
     if num_kv_splits is not None and num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be at least 1, got {num_kv_splits}")
     if num_kv_splits is None:
-        num_items = _cdiv(num_tokens, block_q) + num_seqs
+        num_items = num_work_items(num_tokens, num_seqs, block_q)
         by_length = max_pages * page_size // _MIN_KEYS_PER_SPLIT
         by_occupancy = _cdiv(_TARGET_PROGRAMS, num_items * num_kv_heads)
         num_kv_splits = max(1, min(by_length, by_occupancy, _MAX_SPLITS))
@@ -256,24 +243,6 @@ def pallas_gpu_ragged_paged_attention(
                       pages_per_block=pages_per_block, num_kv_splits=num_kv_splits)
 
 
-def _work_items(md: AttentionMetadata, block_q: int, num_items: int):
-    """Cut each sequence's query rows into blocks of `block_q`: per item its sequence, first
-    row, KV position of that row and row count; and each sequence's first item."""
-    qsl = md.query_start_loc
-    q_lens = qsl[1:] - qsl[:-1]                 # [S]
-    blocks = (q_lens + block_q - 1) // block_q  # [S]
-    ends = jnp.cumsum(blocks)
-    first_item = ends - blocks
-    items = jnp.arange(num_items, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, items, side="right"), len(q_lens) - 1)
-    seq = seq.astype(jnp.int32)
-    offset = (items - first_item[seq]) * block_q  # first row's offset within the sequence
-    row0 = qsl[seq] + offset
-    pos0 = md.kv_lens[seq] - q_lens[seq] + offset
-    nrows = jnp.where(items < ends[-1], jnp.clip(q_lens[seq] - offset, 0, block_q), 0)
-    return (seq, row0, pos0, nrows.astype(jnp.int32)), first_item
-
-
 def _merge_splits(o, lse):
     """Log-sum-exp merge of per-split outputs: o [..., K, D], lse [..., K] -> [..., D]."""
     m = jnp.max(lse, axis=-1, keepdims=True)
@@ -291,13 +260,13 @@ def _attention(q, cache, layer, md, *, sm_scale, sliding_window, soft_cap, inter
     num_kv_heads = cache.k.shape[3]
     group = num_heads // num_kv_heads
     num_seqs, max_pages = md.page_tables.shape
-    num_items = _cdiv(num_tokens, block_q) + num_seqs
+    num_items = num_work_items(num_tokens, num_seqs, block_q)
     num_rows = block_q * group
 
     pages_per_split = _cdiv(_cdiv(max_pages, num_kv_splits), pages_per_block) * pages_per_block
     # Pad the page table so every block of every split reads inside it (page 0, masked).
     tables = jnp.pad(md.page_tables, ((0, 0), (0, num_kv_splits * pages_per_split - max_pages)))
-    items, first_item = _work_items(md, block_q, num_items)
+    items, (item, local, valid) = work_items(md, num_tokens, block_q)
 
     part_dtype = q.dtype if num_kv_splits == 1 else jnp.float32
     whole = pl.BlockSpec()  # the full array, indexed inside the kernel
@@ -327,10 +296,6 @@ def _attention(q, cache, layer, md, *, sm_scale, sliding_window, soft_cap, inter
     )(layer.reshape(1), *items, tables, q, cache.k, cache.v)
 
     # Gather each query row's tile rows back: [T, Hkv, K, group, ...].
-    seq, _, valid = _token_layout(md, num_tokens)
-    offset = jnp.arange(num_tokens, dtype=jnp.int32) - md.query_start_loc[seq]
-    item = jnp.clip(first_item[seq] + offset // block_q, 0, num_items - 1)
-    local = offset % block_q
     o = o.reshape(num_items, num_kv_heads, num_kv_splits, block_q, group, head_dim)
     o = o[item, :, :, local]  # [T, Hkv, K, group, D]
     if num_kv_splits == 1:

@@ -50,7 +50,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ops.attention import AttentionMetadata, KVCache, _token_layout
+from ops.attention import (
+    AttentionMetadata,
+    KVCache,
+    check_inputs,
+    num_work_items,
+    work_items,
+)
 
 SMEM_BYTES = 1 << 20   # per TensorCore on TPU v4 and later
 TARGET_BLOCK_KV = 512  # keys per KV block when pages_per_block is not given
@@ -170,36 +176,16 @@ def _kernel(
 
 
 def _validate(q, cache: KVCache, md: AttentionMetadata, block_q, pages_per_block):
-    if q.ndim != 3:
-        raise ValueError(f"q must be [T, H, D], got shape {q.shape}")
-    if cache.k.ndim != 5 or cache.k.shape != cache.v.shape:
-        raise ValueError(f"cache k/v must both be [L, P, page, Hkv, D], got "
-                         f"{cache.k.shape} and {cache.v.shape}")
-    _, num_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, kv_head_dim = cache.k.shape
-    if kv_head_dim != head_dim:
-        raise ValueError(f"q head_dim {head_dim} != cache head_dim {kv_head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} not divisible by num_kv_heads {num_kv_heads}")
-    if q.dtype != cache.k.dtype or cache.k.dtype != cache.v.dtype:
-        raise ValueError(f"dtypes must match: q {q.dtype}, k {cache.k.dtype}, v {cache.v.dtype}")
+    check_inputs(q, cache, md)
     if q.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"dtype must be float32 or bfloat16, got {q.dtype}")
     # TPU tiling: pages stack along sublanes (8 rows of 32 bits, 16 of bf16); D fills lanes.
     sublanes = 8 * (4 // q.dtype.itemsize)
-    if page_size % sublanes:
+    if cache.page_size % sublanes:
         raise ValueError(f"page_size must be a multiple of {sublanes} for {q.dtype}, "
-                         f"got {page_size}")
-    if head_dim % 64:
-        raise ValueError(f"head_dim must be a multiple of 64, got {head_dim}")
-    for name in ("query_start_loc", "kv_lens", "page_tables"):
-        if getattr(md, name).dtype != jnp.int32:
-            raise ValueError(f"md.{name} must be int32, got {getattr(md, name).dtype}")
-    num_seqs = md.kv_lens.shape[0]
-    if md.query_start_loc.shape != (num_seqs + 1,) or md.page_tables.ndim != 2 \
-            or md.page_tables.shape[0] != num_seqs or num_seqs == 0:
-        raise ValueError(f"metadata shapes disagree: query_start_loc {md.query_start_loc.shape}, "
-                         f"kv_lens {md.kv_lens.shape}, page_tables {md.page_tables.shape}")
+                         f"got {cache.page_size}")
+    if q.shape[2] % 64:
+        raise ValueError(f"head_dim must be a multiple of 64, got {q.shape[2]}")
     for name, n in (("block_q", block_q), ("pages_per_block", pages_per_block)):
         if n is not None and (not isinstance(n, int) or n < 1):
             raise ValueError(f"{name} must be a positive int, got {n!r}")
@@ -238,7 +224,7 @@ def pallas_tpu_ragged_paged_attention(
         block_q = _default_block_q(num_tokens, num_seqs, group)
     if pages_per_block is None:
         pages_per_block = max(1, min(max_pages, TARGET_BLOCK_KV // page_size))
-    num_items = -(-num_tokens // block_q) + num_seqs
+    num_items = num_work_items(num_tokens, num_seqs, block_q)
     smem = 4 * (1 + 3 * num_items + num_seqs + num_seqs * max_pages)
     if smem > SMEM_BYTES:
         raise ValueError(f"scalar prefetch needs {smem} bytes of SMEM (page tables "
@@ -258,27 +244,6 @@ def pallas_tpu_ragged_paged_attention(
     return out
 
 
-def _work_items(md: AttentionMetadata, num_items: int, block_q: int):
-    """Cut each sequence's query rows into items of up to block_q rows. Returns, per item
-    ([W] int32 each): sequence, first query row, position of that row in its sequence and
-    number of real rows; plus each sequence's first item ([S])."""
-    num_seqs = md.kv_lens.shape[0]
-    starts = md.query_start_loc
-    q_lens = starts[1:] - starts[:-1]
-    blocks = (q_lens + block_q - 1) // block_q
-    items_end = jnp.cumsum(blocks).astype(jnp.int32)
-    items_start = items_end - blocks
-    item = jnp.arange(num_items, dtype=jnp.int32)
-    seq = jnp.searchsorted(items_end, item, side="right").astype(jnp.int32)
-    spare = seq >= num_seqs
-    seq = jnp.minimum(seq, num_seqs - 1)
-    offset = (item - items_start[seq]) * block_q  # of the item's first row within the sequence
-    first_row = starts[seq] + offset
-    num_rows = jnp.where(spare, 0, jnp.clip(q_lens[seq] - offset, 0, block_q))
-    first_pos = md.kv_lens[seq] - q_lens[seq] + offset
-    return seq, first_row, first_pos, num_rows, items_start
-
-
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "block_q", "pages_per_block", "interpret"))
 def _attention(q, cache, layer, md, *, sm_scale, sliding_window, soft_cap, block_q,
@@ -286,9 +251,10 @@ def _attention(q, cache, layer, md, *, sm_scale, sliding_window, soft_cap, block
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = cache.k.shape[3], cache.page_size
     group = num_heads // num_kv_heads
-    num_items = -(-num_tokens // block_q) + md.kv_lens.shape[0]
+    num_items = num_work_items(num_tokens, md.kv_lens.shape[0], block_q)
     block_rows = block_q * group
-    seq, first_row, first_pos, num_rows, items_start = _work_items(md, num_items, block_q)
+    (seq, first_row, first_pos, num_rows), (row_item, row_in_item, valid) = work_items(
+        md, num_tokens, block_q)
 
     # [W, Hkv, block_q * group, D]: each item's rows, a KV head's query heads side by side.
     rows = jnp.minimum(first_row[:, None] + jnp.arange(block_q), num_tokens - 1)  # [W, bq]
@@ -323,8 +289,5 @@ def _attention(q, cache, layer, md, *, sm_scale, sliding_window, soft_cap, block
     # Back to [T, H, D]: token t is row (t - first row of its item) of its item.
     out = out.reshape(num_items, num_kv_heads, block_q, group, head_dim)
     out = out.transpose(0, 2, 1, 3, 4).reshape(num_items * block_q, num_heads, head_dim)
-    tok_seq, _, valid = _token_layout(md, num_tokens)
-    offset = jnp.arange(num_tokens, dtype=jnp.int32) - md.query_start_loc[tok_seq]
-    flat = (items_start[tok_seq] + offset // block_q) * block_q + offset % block_q
-    flat = jnp.clip(flat, 0, num_items * block_q - 1)
+    flat = row_item * block_q + row_in_item
     return jnp.where(valid[:, None, None], out[flat], jnp.zeros((), q.dtype))

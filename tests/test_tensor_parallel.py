@@ -120,7 +120,7 @@ def test_no_compilation_after_warmup_under_tensor_parallelism(tiny):
     engine_cfg = EngineConfig(model=str(tiny), dtype="float32", max_model_len=128,
                               max_num_seqs=4, max_num_batched_tokens=32, num_blocks=33,
                               tensor_parallel_size=2)
-    engine = LLMEngine(engine_cfg, tokenizer=_IdsTokenizer(), detokenize=False)
+    engine = LLMEngine(engine_cfg, detokenize=False)  # the tiny model's word-level tokenizer
     engine.runner.warmup()
     plain = _decoder(tiny, 1)
     prompts = [IDS, IDS[:7], IDS[3:] * 2]
@@ -131,7 +131,3 @@ def test_no_compilation_after_warmup_under_tensor_parallelism(tiny):
         assert out.outputs[0].token_ids == plain.generate(prompt, 10)[0]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
 
-
-class _IdsTokenizer:
-    eos_token_ids: frozenset[int] = frozenset()
-    special_token_ids: frozenset[int] = frozenset()
