@@ -21,18 +21,28 @@ MAX_BANNED = 16
 
 @dataclasses.dataclass
 class StepBatch:
+    """One step's inputs. The model body sees the token rows (T) and the attention metadata of
+    `config.body_seqs(T)` sequences; the LM head and sampler see S sampling rows."""
+
     bucket: tuple[int, int]        # (tokens T, sequences S)
     num_seqs: int                  # real sequences (rows past it are padding)
-    # model inputs
+    # model body inputs
     tokens: np.ndarray             # [T] int32
     positions: np.ndarray          # [T] int32
+    token_seq: np.ndarray          # [T] int32: each row's sequence, -1 for padding
     slot_mapping: np.ndarray       # [T] int32
-    query_start_loc: np.ndarray    # [S + 1] int32
-    kv_lens: np.ndarray            # [S] int32
-    page_tables: np.ndarray        # [S, max_blocks_per_seq] int32
-    logits_indices: np.ndarray     # [S] int32: each sequence's last row in this step
-    # sampling, one row per sequence
+    query_start_loc: np.ndarray    # [Sb + 1] int32
+    kv_lens: np.ndarray            # [Sb] int32
+    page_tables: np.ndarray        # [Sb, max_blocks_per_seq] int32
+    logits_indices: np.ndarray     # [max_num_seqs] int32: each sequence's last row in this step
+    # sampling, one row per sequence: [S, ...]
     sampling: dict[str, np.ndarray]
+
+    @property
+    def body_inputs(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in (
+            "tokens", "positions", "token_seq", "slot_mapping", "query_start_loc", "kv_lens",
+            "page_tables", "logits_indices")}
 
 
 def sampling_arrays(num_seqs: int, width: int) -> dict[str, np.ndarray]:
@@ -57,13 +67,15 @@ def sampling_arrays(num_seqs: int, width: int) -> dict[str, np.ndarray]:
 def empty_batch(config: EngineConfig, bucket: tuple[int, int]) -> StepBatch:
     """An all-padding batch of a bucket's shape (warmup runs these)."""
     t, s = bucket
+    sb = config.body_seqs(t)
     return StepBatch(
         bucket=bucket, num_seqs=0,
         tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
-        slot_mapping=np.zeros(t, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
-        kv_lens=np.zeros(s, np.int32),
-        page_tables=np.zeros((s, config.max_blocks_per_seq), np.int32),
-        logits_indices=np.zeros(s, np.int32),
+        token_seq=np.full(t, -1, np.int32),
+        slot_mapping=np.zeros(t, np.int32), query_start_loc=np.zeros(sb + 1, np.int32),
+        kv_lens=np.zeros(sb, np.int32),
+        page_tables=np.zeros((sb, config.max_blocks_per_seq), np.int32),
+        logits_indices=np.zeros(config.max_num_seqs, np.int32),
         sampling=sampling_arrays(s, config.max_model_len),
     )
 
@@ -82,6 +94,7 @@ def build_batch(config: EngineConfig, out: SchedulerOutput, seeds: dict[int, int
         table = np.asarray(seq.block_table, np.int32)
         batch.tokens[row:row + n] = seq.token_ids[e.start:e.start + n]
         batch.positions[row:row + n] = pos
+        batch.token_seq[row:row + n] = i
         batch.slot_mapping[row:row + n] = table[pos // bs] * bs + pos % bs
         batch.page_tables[i, :len(table)] = table
         batch.kv_lens[i] = e.start + n

@@ -26,6 +26,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -54,6 +55,30 @@ def measure_ceilings(dtype, m: int, k: int, n: int) -> dict:
     tc = _best(lambda: cp(x).block_until_ready(), 10)
     return {"matmul_flops_per_s": 2 * m * k * n / t, "matmul_shape": [m, k, n],
             "copy_bytes_per_s": 2 * x.nbytes / tc}
+
+
+def dense_seconds(runner: ModelRunner, num_tokens: int = 1, repeats: int = 30) -> float:
+    """The model's matmuls alone for `num_tokens` rows (every layer's projections and MLP,
+    then the LM head; no attention, no sampling): the floor a decode step's time is held to."""
+    model = nnx.merge(runner.graphdef, runner.state)
+    cfg = model.cfg
+    layers = nnx.to_pure_dict(nnx.state(model.layers))
+    head = model.embed[...].T if cfg.tie_word_embeddings else model.lm_head[...]
+
+    @jax.jit
+    def dense(layers, head, x):
+        def layer(x, p):
+            q = jnp.einsum("te,ehd->thd", x, p["wq"])
+            k = jnp.einsum("te,ehd->thd", x, p["wk"])
+            v = jnp.einsum("te,ehd->thd", x, p["wv"])
+            x = x + jnp.einsum("thd,hde->te", q, p["wo"]) + k.mean() + v.mean()
+            return x + (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"], None
+
+        x, _ = jax.lax.scan(layer, x, layers)
+        return jnp.dot(x, head, preferred_element_type=jnp.float32)
+
+    x = jnp.ones((num_tokens, cfg.hidden_size), runner.dtype) * 0.01
+    return _best(lambda: dense(layers, head, x).block_until_ready(), repeats)
 
 
 class _IdsOnly:
@@ -191,16 +216,21 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=None, help="default: all at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--attention-backend", default="reference", choices=BACKENDS)
+    defaults = EngineConfig(model="")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help=f"default: the engine's ({defaults.max_model_len}), or input + output "
+                        f"length if larger")
+    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=defaults.max_num_batched_tokens)
+    p.add_argument("--block-size", type=int, default=defaults.block_size)
+    p.add_argument("--attention-backend", default=defaults.attention_backend, choices=BACKENDS)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--output", help="write the results as JSON")
     args = p.parse_args(argv)
     if args.max_model_len is None:
-        args.max_model_len = -(-(args.input_len + args.output_len) // 16) * 16
+        args.max_model_len = max(defaults.max_model_len,
+                                 -(-(args.input_len + args.output_len) // 16) * 16)
 
     engine = build_engine(args)
     start = time.perf_counter()
@@ -211,6 +241,7 @@ def main(argv=None) -> int:
                                 cfg.intermediate_size)
     special = getattr(engine.tokenizer, "special_token_ids", frozenset())
     requests = make_requests(args, cfg.vocab_size, special)
+    dense_t1 = dense_seconds(engine.runner, num_tokens=1)
     timings, duration = run(engine, requests, args.concurrency or args.num_prompts)
     # Ceilings are peaks: measure again after the run and keep the better reading of each
     # (a single reading on a shared VM can land on a busy moment).
@@ -221,8 +252,10 @@ def main(argv=None) -> int:
     res = {"device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
            "host": platform.processor() or platform.machine(), "jax": jax.__version__,
            "model": engine.config.model, "dtype": str(np.dtype(engine.runner.dtype)),
-           "warmup_s": warmup_s, "num_buckets": len(engine.config.buckets()), **ceilings,
+           "warmup_s": warmup_s, "num_executables": len(engine.config.buckets()), **ceilings,
+           "dense_t1_ms": dense_t1 * 1e3,
            **summarize(engine, timings, duration, ceilings), "args": vars(args)}
+    res["median_tpot_over_dense_t1"] = res["median_tpot_ms"] / res["dense_t1_ms"]
     width = max(len(k) for k in res)
     for k, v in res.items():
         if k != "args":

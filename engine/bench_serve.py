@@ -114,32 +114,42 @@ async def send(client: httpx.AsyncClient, args, req: Request) -> Result:
     approx = len(req.prompt.split()) if isinstance(req.prompt, str) else 0
     res = Result(prompt_len=req.prompt_len or approx)
     usage_tokens = None
-    res.start = time.perf_counter()
-    try:
-        async with client.stream("POST", args.base_url.rstrip("/") + args.endpoint,
-                                 json=payload, headers=headers) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                res.error = f"HTTP {resp.status_code}: {body[:500]}"
-                return res
-            # Read to the end of the stream (past [DONE]) so the connection can be reused.
-            async for line in resp.aiter_lines():
-                now = time.perf_counter()
-                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                    continue  # blank separators, SSE comments/pings, [DONE]
-                event = json.loads(line[5:])
-                if "error" in event:
-                    res.error = f"error event: {json.dumps(event['error'])[:500]}"
+    for attempt in range(2):
+        res.start = time.perf_counter()
+        try:
+            async with client.stream("POST", args.base_url.rstrip("/") + args.endpoint,
+                                     json=payload, headers=headers) as resp:
+                if resp.status_code != 200:
+                    body = (await resp.aread()).decode(errors="replace")
+                    res.error = f"HTTP {resp.status_code}: {body[:500]}"
                     return res
-                choices = event.get("choices")
-                if choices and choices[0].get("text"):
-                    res.chunk_times.append(now)
-                if usage := event.get("usage"):
-                    usage_tokens = usage.get("completion_tokens")
-                    res.prompt_len = usage.get("prompt_tokens") or res.prompt_len
-    except Exception as e:  # a benchmark reports failures, it does not stop at them
-        res.error = f"{type(e).__name__}: {e}"
-        return res
+                # Read to the end of the stream (past [DONE]) so the connection can be reused.
+                async for line in resp.aiter_lines():
+                    now = time.perf_counter()
+                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                        continue  # blank separators, SSE comments/pings, [DONE]
+                    event = json.loads(line[5:])
+                    if "error" in event:
+                        res.error = f"error event: {json.dumps(event['error'])[:500]}"
+                        return res
+                    choices = event.get("choices")
+                    if choices and choices[0].get("text"):
+                        res.chunk_times.append(now)
+                    if usage := event.get("usage"):
+                        usage_tokens = usage.get("completion_tokens")
+                        res.prompt_len = usage.get("prompt_tokens") or res.prompt_len
+        except httpx.RemoteProtocolError as e:
+            # A kept-alive connection the server had closed (llama.cpp's server does so after
+            # some streams): the request never reached it, so sending it again on a fresh
+            # connection is safe, once.
+            if attempt == 0 and not res.chunk_times:
+                continue
+            res.error = f"{type(e).__name__}: {e}"
+            return res
+        except Exception as e:  # a benchmark reports failures, it does not stop at them
+            res.error = f"{type(e).__name__}: {e}"
+            return res
+        break
     if not res.chunk_times:
         res.error = "the stream carried no text chunk (no TTFT)"
         return res

@@ -26,7 +26,7 @@ class EngineConfig:
     num_blocks: int | None = None       # KV pages incl. the reserved page 0 (None: enough for
                                         # max_num_seqs full-length sequences)
     enable_prefix_caching: bool = True
-    attention_backend: str = "reference"
+    attention_backend: str = "auto"     # the platform's best (ops.attention.resolve_backend)
     tensor_parallel_size: int = 1       # devices the model is split over (heads, MLP, vocab)
     max_waiting_requests: int = 1024
     seed: int = 0                       # seeds of requests that bring none are drawn from this
@@ -57,23 +57,31 @@ class EngineConfig:
 
     @property
     def token_buckets(self) -> tuple[int, ...]:
-        """Padded token counts of a step: powers of two from 16 to max_num_batched_tokens."""
-        return _pow2_upto(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
+        """Padded token counts of a step: powers of two from 1 (a lone decode is not padded
+        to 16 rows) to max_num_batched_tokens. The model body is compiled once per entry."""
+        return _pow2_upto(1, self.max_num_batched_tokens)
 
     @property
     def seq_buckets(self) -> tuple[int, ...]:
-        """Padded sequence counts of a step: powers of two up to max_num_seqs."""
+        """Padded sequence counts of a step: powers of two up to max_num_seqs. The LM head and
+        sampler are compiled once per entry."""
         return _pow2_upto(1, self.max_num_seqs)
 
-    def buckets(self) -> list[tuple[int, int]]:
-        """Every (tokens, seqs) shape a step can have; warmup compiles each one."""
-        return [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+    def body_seqs(self, num_tokens: int) -> int:
+        """Sequences the attention metadata of a `num_tokens` body bucket holds: every
+        sequence brings at least one token, and no step has more than max_num_seqs."""
+        return min(num_tokens, self.max_num_seqs)
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """Every executable warmup compiles: ("tokens", T) bodies and ("seqs", S) heads."""
+        return ([("tokens", t) for t in self.token_buckets]
+                + [("seqs", s) for s in self.seq_buckets])
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        """The smallest bucket holding a step; warmup and runtime both come here."""
+        """The (tokens T, sequences S) bucket of a step; warmup and runtime both come here."""
         t = next((b for b in self.token_buckets if b >= num_tokens), None)
         s = next((b for b in self.seq_buckets if b >= num_seqs), None)
-        if t is None or s is None:
-            raise ValueError(f"step of {num_tokens} tokens / {num_seqs} sequences exceeds the "
+        if t is None or s is None or num_seqs > num_tokens:
+            raise ValueError(f"step of {num_tokens} tokens / {num_seqs} sequences is outside the "
                              f"bucket table ({self.max_num_batched_tokens} / {self.max_num_seqs})")
-        return t, s  # s <= t: every sequence brings at least one token
+        return t, s  # s <= body_seqs(t): every sequence brings at least one token

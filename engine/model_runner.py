@@ -1,14 +1,17 @@
 """ModelRunner: the engine's one device boundary (the only engine module importing jax).
 
 It owns the parameters, the KV pages (donated into every step so they update in
-place) and one compiled executable per bucket, all built at warmup. `run(batch)`
-feeds a padded `StepBatch` to its bucket's executable and brings back only the
-sampled token ids and their logprobs. `kv_pages` sizes the KV cache from device memory
+place) and the table of compiled executables, all built at warmup: the model body once
+per token bucket, the LM head + sampler once per sequence bucket (what each costs follows
+what varies in it). `run(batch)` feeds a padded `StepBatch` to its body and head (the hidden
+states stay on the device between them) and brings back only the sampled token ids and
+their logprobs. `kv_pages` sizes the KV cache from device memory
 before a runner is built.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -119,73 +122,105 @@ class ModelRunner:
         self.kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
         self.kv = KVCache.zeros(cfg.num_layers, config.total_blocks, config.block_size,
                                 cfg.num_kv_heads, cfg.head_dim, self.dtype, self.kv_sharding)
-        self._executables: dict[tuple[int, int], object] = {}
+        self._executables: dict[tuple[str, int], object] = {}
+        logger.info(
+            "%s: %s weights, %s attention, max_model_len %d, max_num_seqs %d, "
+            "max_num_batched_tokens %d, %d KV pages of %d tokens (%d tokens, %.2f GiB); "
+            "executables: a body per token count %s, a head per sequence count %s",
+            config.name or config.model, np.dtype(self.dtype).name, model.attention_backend,
+            config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
+            config.total_blocks, config.block_size, config.total_blocks * config.block_size,
+            self.kv_bytes() / 2**30, list(config.token_buckets), list(config.seq_buckets))
         self.compilations_after_warmup = 0
         self.warm = False
 
-    # ---- the compiled step ---------------------------------------------------------------
+    # ---- the compiled step: a body per token bucket, a head per sequence bucket ------------
 
-    def _step(self, state, kv, batch):
+    def _body(self, state, kv, inputs):
         model = nnx.merge(self.graphdef, state)
-        md = AttentionMetadata(slot_mapping=batch["slot_mapping"],
-                               query_start_loc=batch["query_start_loc"],
-                               kv_lens=batch["kv_lens"], page_tables=batch["page_tables"])
-        logits, kv = model(batch["tokens"], batch["positions"], kv, md, batch["logits_indices"])
-        out = sample(logits, SamplingMetadata(**batch["sampling"]))
-        return (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs), kv
+        md = AttentionMetadata(
+            slot_mapping=inputs["slot_mapping"], query_start_loc=inputs["query_start_loc"],
+            kv_lens=inputs["kv_lens"], page_tables=inputs["page_tables"],
+            positions=inputs["positions"], token_seq=inputs["token_seq"])
+        return model.hidden_states(inputs["tokens"], inputs["positions"], kv, md,
+                                   inputs["logits_indices"])  # [max_num_seqs, E], kv
 
-    @staticmethod
-    def _device_inputs(batch: StepBatch) -> dict:
-        return {
-            "tokens": batch.tokens, "positions": batch.positions,
-            "slot_mapping": batch.slot_mapping, "query_start_loc": batch.query_start_loc,
-            "kv_lens": batch.kv_lens, "page_tables": batch.page_tables,
-            "logits_indices": batch.logits_indices, "sampling": batch.sampling,
-        }
+    def _head(self, state, hidden, sampling):
+        model = nnx.merge(self.graphdef, state)
+        num_seqs = sampling["temperature"].shape[0]
+        out = sample(model.logits(hidden[:num_seqs]), SamplingMetadata(**sampling))
+        return out.token_ids, out.logprobs, out.top_ids, out.top_logprobs
 
-    def compile_bucket(self, bucket: tuple[int, int]):
-        inputs = self._device_inputs(empty_batch(self.config, bucket))
+    def compile_bucket(self, bucket: tuple[str, int]):
+        """AOT-compile one executable of the table: ("tokens", T) or ("seqs", S)."""
+        kind, size = bucket
+        cfg = self.config
+        if kind == "tokens":
+            fn, donate, outs = self._body, (1,), ("host", "kv")
+            device_args, host_args = (self.state, self.kv), (empty_batch(cfg, (size, 1))
+                                                             .body_inputs,)
+        elif kind == "seqs":
+            hidden = np.zeros((cfg.max_num_seqs, self.model_config.hidden_size), self.dtype)
+            fn, donate, outs = self._head, (), "host"
+            device_args = (self.state,)
+            host_args = (hidden, empty_batch(cfg, cfg.bucket_for(size, size)).sampling)
+        else:
+            raise ValueError(f"unknown bucket kind {kind!r}")
         if self.mesh is None:
-            step = jax.jit(self._step, donate_argnums=(1,))
-            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
-        else:  # host inputs and sampled outputs replicated; pages stay split by KV head
+            step = jax.jit(fn, donate_argnums=donate)
+            abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+        else:  # host inputs and outputs replicated; pages stay split by KV head
             everywhere = replicated(self.mesh)
             kv = KVCache(self.kv_sharding, self.kv_sharding)
-            step = jax.jit(self._step, donate_argnums=(1,), out_shardings=(everywhere, kv))
-            abstract = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=everywhere), inputs)
-        return step.lower(self.state, self.kv, abstract).compile()
+            step = jax.jit(fn, donate_argnums=donate, out_shardings=jax.tree.map(
+                lambda o: kv if o == "kv" else everywhere, outs))
+            abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=everywhere)
+        return step.lower(*device_args, *jax.tree.map(abstract, host_args)).compile()
 
     def warmup(self, progress=None) -> float:
-        """Compile every bucket and run each once on padding; returns seconds taken."""
+        """Compile every executable of the table (two at a time: XLA's compiler is largely
+        single-threaded) and run each once on padding; returns seconds taken."""
         logger.info("Beginning dummy run.")
         start = time.perf_counter()
         buckets = self.config.buckets()
-        bar = progress_bar(total=len(buckets), desc="Compiling buckets", unit="bucket")
-        for n, bucket in enumerate(buckets, 1):
-            self._executables[bucket] = self.compile_bucket(bucket)
-            self.run(empty_batch(self.config, bucket))
-            bar.update()
-            if progress is not None:
-                progress(n, len(buckets), bucket)
+        bar = progress_bar(total=len(buckets), desc="Compiling", unit="executable")
+        workers = 1 if self.cluster is not None else min(2, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            futures = {pool.submit(self.compile_bucket, b): b for b in buckets}
+            for n, done in enumerate(concurrent.futures.as_completed(futures), 1):
+                self._executables[futures[done]] = done.result()
+                bar.update()
+                if progress is not None:
+                    progress(n, len(buckets), futures[done])
+        for t in self.config.token_buckets:  # every body, then every head
+            self.run(empty_batch(self.config, (t, 1)))
+        for s in self.config.seq_buckets:
+            self.run(empty_batch(self.config, self.config.bucket_for(s, s)))
         bar.close()
         self.warm = True
         elapsed = time.perf_counter() - start
         logger.info("Dummy run completed in %.2fs.", elapsed)
         return elapsed
 
-    def run(self, batch: StepBatch) -> StepResult:
-        exe = self._executables.get(batch.bucket)
+    def _executable(self, bucket: tuple[str, int]):
+        exe = self._executables.get(bucket)
         if exe is None:
             if self.warm:
                 self.compilations_after_warmup += 1
-                raise BucketMiss(f"step shape {batch.bucket} is not in the warmed-up bucket table")
-            exe = self._executables[batch.bucket] = self.compile_bucket(batch.bucket)
+                raise BucketMiss(f"{bucket} is not in the warmed-up table of executables")
+            exe = self._executables[bucket] = self.compile_bucket(bucket)
+        return exe
+
+    def run(self, batch: StepBatch) -> StepResult:
+        num_tokens, num_seqs = batch.bucket
+        body = self._executable(("tokens", num_tokens))
+        head = self._executable(("seqs", num_seqs))
         if self.cluster is not None:
             self.cluster.send("run", (self.config.model, batch))
         _active.runner = self if self.warm else None
         try:
-            outputs, self.kv = exe(self.state, self.kv, self._device_inputs(batch))
+            hidden, self.kv = body(self.state, self.kv, batch.body_inputs)
+            outputs = head(self.state, hidden, batch.sampling)
             ids, logprobs, top_ids, top_logprobs = jax.device_get(outputs)
         finally:
             _active.runner = None

@@ -22,6 +22,10 @@ class RequestRejected(ValueError):
     """A request that can never be served with this engine's limits."""
 
 
+class SchedulerStuck(RuntimeError):
+    """Work is waiting but nothing can be scheduled: a bookkeeping bug, never a busy loop."""
+
+
 @dataclasses.dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -50,6 +54,13 @@ class Scheduler:
         self.config = config
         self.blocks = block_manager
         self.eos_token_ids = eos_token_ids
+        if block_manager.num_usable_blocks < config.max_blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {block_manager.num_usable_blocks} blocks of "
+                f"{config.block_size} tokens ({block_manager.num_usable_blocks * config.block_size}"
+                f" tokens), less than one sequence of max_model_len {config.max_model_len} "
+                f"tokens needs ({config.max_blocks_per_seq} blocks): give it more pages or lower "
+                f"max_model_len")
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -60,17 +71,17 @@ class Scheduler:
         cfg = self.config
         if num_prompt_tokens < 1:
             raise RequestRejected("the prompt is empty")
-        total = num_prompt_tokens + (max_tokens if max_tokens is not None else 1)
-        if total > cfg.max_model_len:
-            what = (f"{num_prompt_tokens} prompt tokens + max_tokens {max_tokens}"
-                    if max_tokens is not None else f"{num_prompt_tokens} prompt tokens")
-            raise RequestRejected(f"this model's maximum context length is {cfg.max_model_len} "
-                                  f"tokens, but the request needs {what} = {total}")
-        blocks = -(-total // cfg.block_size)
-        if blocks > self.blocks.num_usable_blocks:
-            raise RequestRejected(f"the request needs {blocks} KV blocks of {cfg.block_size} "
-                                  f"tokens but the whole cache has "
-                                  f"{self.blocks.num_usable_blocks}")
+        if max_tokens is not None and num_prompt_tokens + max_tokens > cfg.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {cfg.max_model_len} tokens, but the "
+                f"request needs {num_prompt_tokens} prompt tokens + max_tokens {max_tokens} = "
+                f"{num_prompt_tokens + max_tokens}")
+        if num_prompt_tokens >= cfg.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {cfg.max_model_len} tokens, but the "
+                f"prompt has {num_prompt_tokens} tokens and leaves no room for output")
+        # Without max_tokens a request may grow to max_model_len, which the cache holds
+        # (checked at start-up), so no admitted sequence can outgrow the cache on its own.
 
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq.num_prompt_tokens, seq.params.max_tokens)
@@ -120,6 +131,14 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
+        # Sequences with history (computed tokens) first: the reference attention reads
+        # history only up to the last row that has any.
+        scheduled.sort(key=lambda e: e.start == 0)
+        if not scheduled and self.has_unfinished():
+            raise SchedulerStuck(
+                f"nothing could be scheduled with {len(self.waiting)} waiting and "
+                f"{len(self.running)} running sequences and {self.blocks.num_free_blocks} of "
+                f"{self.blocks.num_usable_blocks} KV blocks free")
         return SchedulerOutput(scheduled, preempted)
 
     def _preempt(self, seq: Sequence) -> None:

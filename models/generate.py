@@ -61,6 +61,8 @@ class GreedyDecoder:
             query_start_loc=jnp.asarray([0, n], jnp.int32),
             kv_lens=jnp.asarray([start + n], jnp.int32),
             page_tables=jnp.arange(1, self.num_pages + 1, dtype=jnp.int32)[None, :],
+            positions=jnp.asarray(positions),
+            token_seq=jnp.asarray(np.where(np.arange(t) < n, 0, -1).astype(np.int32)),
         )
         idx = np.arange(t if all_logits else 1, dtype=np.int32) + (0 if all_logits else n - 1)
         logits, cache = self._step(self.state, jnp.asarray(ids), jnp.asarray(positions), cache,

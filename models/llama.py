@@ -20,8 +20,8 @@ from models.rope import apply_rope, rope_inv_freq
 from ops.attention import (
     AttentionMetadata,
     KVCache,
-    check_backend,
     ragged_paged_attention,
+    resolve_backend,
     write_kv,
 )
 
@@ -78,9 +78,8 @@ class _Stack(nnx.Module):
 class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_backend: str = "reference", mesh=None):
-        check_backend(attention_backend)
         self.cfg = cfg
-        self.attention_backend = attention_backend
+        self.attention_backend = resolve_backend(attention_backend)  # "auto" -> the platform's
         self.mesh = mesh  # a tensor-parallel mesh (models/sharding.py), or None
         params = {name: nnx.Param(_init(spec, rngs.params(), dtype))
                   for name, spec in param_specs(cfg).items()}
@@ -98,6 +97,18 @@ class Llama(nnx.Module):
         md: AttentionMetadata,
         logits_indices: jax.Array | None = None,  # [N] rows whose logits are wanted
     ) -> tuple[jax.Array, KVCache]:  # logits [T or N, V] float32
+        x, cache = self.hidden_states(tokens, positions, cache, md, logits_indices)
+        return self.logits(x), cache
+
+    def hidden_states(
+        self,
+        tokens: jax.Array,      # [T] int32
+        positions: jax.Array,   # [T] int32
+        cache: KVCache,
+        md: AttentionMetadata,
+        logits_indices: jax.Array | None = None,  # [N] rows whose states are wanted
+    ) -> tuple[jax.Array, KVCache]:  # final-normed states [T or N, E]
+        """The model body: embeddings and every layer, updating the cache."""
         cfg = self.cfg
         x = self.embed[...][tokens]  # [T, E]
         inv_freq = rope_inv_freq(cfg)
@@ -129,10 +140,12 @@ class Llama(nnx.Module):
         (x, cache), _ = jax.lax.scan(layer, (x, cache), (layer_params, layer_ids))
         if logits_indices is not None:
             x = x[logits_indices]
-        x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
-        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
-        return logits, cache
+        return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps), cache
+
+    def logits(self, x: jax.Array) -> jax.Array:  # [N, E] final-normed -> [N, V] float32
+        """The LM head."""
+        head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return jnp.dot(x, head, preferred_element_type=jnp.float32)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

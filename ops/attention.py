@@ -52,12 +52,32 @@ class KVCache:
 @dataclasses.dataclass
 class AttentionMetadata:
     """Device arrays describing one ragged step. Padded rows/sequences are harmless:
-    padded tokens write to page 0 and padded sequences have no query rows."""
+    padded tokens write to page 0 and padded sequences have no query rows.
+
+    `positions` and `token_seq` repeat, per query row, what `query_start_loc` and `kv_lens`
+    say per sequence: the host knows them, so no layer recomputes them (`row_layout` builds
+    them where there is no host batch)."""
 
     slot_mapping: jax.Array     # [T] int32: page * page_size + offset for each token's new K/V
     query_start_loc: jax.Array  # [S + 1] int32: non-decreasing; padded sequences are empty
     kv_lens: jax.Array          # [S] int32: KV length of each sequence including this step
     page_tables: jax.Array      # [S, max_pages] int32: page ids; unused entries point at page 0
+    positions: jax.Array        # [T] int32: each query row's position in its sequence
+    token_seq: jax.Array        # [T] int32: each query row's sequence; -1 for padded rows
+
+
+def row_layout(query_start_loc, kv_lens, num_tokens: int):
+    """`(positions, token_seq)` of `AttentionMetadata` from the per-sequence arrays (tests,
+    single-sequence decoding); the engine fills them on the host instead."""
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(query_start_loc, rows, side="right").astype(jnp.int32) - 1
+    num_seqs = kv_lens.shape[0]
+    valid = (seq >= 0) & (seq < num_seqs) & (rows < query_start_loc[-1])
+    seq = jnp.clip(seq, 0, num_seqs - 1)
+    q_len = query_start_loc[seq + 1] - query_start_loc[seq]
+    # Query rows are the last q_len positions of the sequence's KV.
+    pos = kv_lens[seq] - q_len + (rows - query_start_loc[seq])
+    return jnp.where(valid, pos, 0).astype(jnp.int32), jnp.where(valid, seq, -1).astype(jnp.int32)
 
 
 def _per_shard(fn, mesh, in_specs, out_specs):
@@ -90,19 +110,6 @@ def _write_kv(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:
     )
 
 
-def _token_layout(md: AttentionMetadata, num_tokens: int):
-    """For each query row: its sequence, its position in that sequence, and whether it is real."""
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(md.query_start_loc, rows, side="right").astype(jnp.int32) - 1
-    num_seqs = md.kv_lens.shape[0]
-    valid = (seq >= 0) & (seq < num_seqs)
-    seq = jnp.clip(seq, 0, num_seqs - 1)
-    q_len = md.query_start_loc[seq + 1] - md.query_start_loc[seq]
-    # Query rows are the last q_len positions of the sequence's KV.
-    q_pos = md.kv_lens[seq] - q_len + (rows - md.query_start_loc[seq])
-    return seq, q_pos, valid & (rows < md.query_start_loc[-1])
-
-
 def check_inputs(q, cache: KVCache, md: AttentionMetadata) -> None:
     """The shape, dtype and metadata checks every kernel makes (ValueError, never garbage);
     each kernel adds its own tiling limits."""
@@ -119,7 +126,7 @@ def check_inputs(q, cache: KVCache, md: AttentionMetadata) -> None:
         raise ValueError(f"num_heads {num_heads} not divisible by num_kv_heads {num_kv_heads}")
     if q.dtype != cache.k.dtype or cache.k.dtype != cache.v.dtype:
         raise ValueError(f"dtypes must match: q {q.dtype}, k {cache.k.dtype}, v {cache.v.dtype}")
-    for name in ("query_start_loc", "kv_lens", "page_tables"):
+    for name in ("query_start_loc", "kv_lens", "page_tables", "positions", "token_seq"):
         if getattr(md, name).dtype != jnp.int32:
             raise ValueError(f"md.{name} must be int32, got {getattr(md, name).dtype}")
     num_seqs = md.kv_lens.shape[0]
@@ -127,6 +134,9 @@ def check_inputs(q, cache: KVCache, md: AttentionMetadata) -> None:
             or md.page_tables.shape[0] != num_seqs or num_seqs == 0:
         raise ValueError(f"metadata shapes disagree: query_start_loc {md.query_start_loc.shape}, "
                          f"kv_lens {md.kv_lens.shape}, page_tables {md.page_tables.shape}")
+    if md.positions.shape != q.shape[:1] or md.token_seq.shape != q.shape[:1]:
+        raise ValueError(f"positions {md.positions.shape} and token_seq {md.token_seq.shape} "
+                         f"must have one entry per query row ({q.shape[0]})")
 
 
 def num_work_items(num_tokens: int, num_seqs: int, block_q: int) -> int:
@@ -159,7 +169,8 @@ def work_items(md: AttentionMetadata, num_tokens: int, block_q: int):
     first_pos = md.kv_lens[seq] - q_lens[seq] + offset
     num_rows = jnp.where(spare, 0, jnp.clip(q_lens[seq] - offset, 0, block_q)).astype(jnp.int32)
 
-    row_seq, _, valid = _token_layout(md, num_tokens)
+    valid = md.token_seq >= 0
+    row_seq = jnp.maximum(md.token_seq, 0)
     row_offset = jnp.arange(num_tokens, dtype=jnp.int32) - starts[row_seq]
     row_item = jnp.clip(items_start[row_seq] + row_offset // block_q, 0, num_items - 1)
     return (seq, first_row, first_pos, num_rows), (row_item, row_offset % block_q, valid)
@@ -174,49 +185,107 @@ def ref_ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    tokens_per_block: int = 64,
+    block_kv: int = 256,
+    block_rows: int = 64,
 ) -> jax.Array:            # [T, H, D]
-    """Gather each query row's pages and run a masked softmax over them.
+    """Ragged paged attention in plain JAX, at a cost that follows the step's real lengths.
 
-    Rows are processed in blocks of `tokens_per_block` so the gathered KV is
-    [block, max_pages * page_size, Hkv, D] rather than [T, ...].
+    Each row's keys are split in two, both folded into one online softmax accumulated in
+    float32 from K/V in their stored dtype:
+
+    1. This step's own tokens, read back once by their slots (write_kv put them there) and
+       attended densely, per KV head as one [T * group, T] product masked to the row's own
+       sequence (causal).
+    2. The sequence's history (positions before its first row in this step, in pages written
+       by earlier steps), for blocks of `block_rows` rows up to the last row that has any
+       (the engine puts sequences with history first), each reading its rows' pages
+       `block_kv` keys at a time up to the block's longest history. Neither loop's trip count
+       depends on the page table's width or the page pool.
     """
     num_tokens, num_heads, head_dim = q.shape
-    k_pages, v_pages = cache.k[layer], cache.v[layer]  # [P, page_size, Hkv, D]
-    num_kv_heads = k_pages.shape[2]
+    page_size, num_kv_heads = cache.page_size, cache.k.shape[3]
     group = num_heads // num_kv_heads
-    max_len = md.page_tables.shape[1] * cache.page_size
-    seq, q_pos, valid = _token_layout(md, num_tokens)
+    pages_per_block = max(1, block_kv // page_size)
+    block_kv = pages_per_block * page_size
+    f32 = jnp.float32
 
-    block = min(tokens_per_block, num_tokens)
-    pad = -num_tokens % block
+    valid = md.token_seq >= 0                      # [T]
+    seq = jnp.maximum(md.token_seq, 0)             # [T]
+    pos = md.positions                             # [T]
+    q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
+    history = jnp.where(valid, (md.kv_lens - q_lens)[seq], 0)  # [T] keys before this step
+    lowest = (jnp.zeros_like(pos) if sliding_window is None
+              else jnp.maximum(pos - sliding_window + 1, 0))  # [T] first visible key
+    qg = (q.reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale).astype(q.dtype)
+
+    def capped(s):
+        return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+    # 1. This step's tokens: [Hkv, T * G, T] scores, row t * G + g.
+    page, offset = md.slot_mapping // page_size, md.slot_mapping % page_size
+    k_new = cache.k[layer, page, offset].transpose(1, 0, 2)  # [Hkv, T, D]
+    v_new = cache.v[layer, page, offset].transpose(1, 0, 2)
+    q_heads = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, num_tokens * group, head_dim)
+    s = capped(jnp.einsum("kmd,knd->kmn", q_heads, k_new, preferred_element_type=f32))
+    s = s.reshape(num_kv_heads, num_tokens, group, num_tokens)
+    mask = ((md.token_seq[None, :] == md.token_seq[:, None]) & valid[:, None]
+            & (pos[None, :] <= pos[:, None]) & (pos[None, :] >= lowest[:, None]))  # [T, T]
+    s = jnp.where(mask[None, :, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1)                                   # [Hkv, T, G]
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
+    o = jnp.einsum("kmn,knd->kmd", p.reshape(num_kv_heads, num_tokens * group, num_tokens)
+                   .astype(v_new.dtype), v_new, preferred_element_type=f32)
+    to_rows = lambda x: jnp.moveaxis(x, 0, 1)  # [Hkv, T, ...] -> [T, Hkv, ...]
+    state = (to_rows(o.reshape(num_kv_heads, num_tokens, group, head_dim)), to_rows(m),
+             to_rows(p.sum(-1)))  # acc [T, Hkv, G, D], max and sum [T, Hkv, G]
+
+    # 2. History, by blocks of rows and, within them, blocks of keys.
+    rows_per_block = min(block_rows, num_tokens)
+    pad = -num_tokens % rows_per_block
     padded = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    q_b, seq_b, pos_b, valid_b = (padded(x).reshape(-1, block, *x.shape[1:])
-                                  for x in (q, seq, q_pos, valid))
+    history_p, lowest_p, seq_p, qg_p = (padded(x) for x in (history, lowest, seq, qg))
+    state = tuple(padded(x) for x in state)
+    max_pages = md.page_tables.shape[1]
+    tables = jnp.pad(md.page_tables, ((0, 0), (0, -max_pages % pages_per_block)))
+    offsets = jnp.arange(block_kv, dtype=jnp.int32)
+    heads = jnp.arange(num_kv_heads, dtype=jnp.int32)
 
-    def one_block(args):
-        qb, sb, pb, vb = args  # [B, H, D], [B], [B], [B]
-        pages = md.page_tables[sb]  # [B, max_pages]
-        kb = k_pages[pages].reshape(block, max_len, num_kv_heads, head_dim)
-        vb_ = v_pages[pages].reshape(block, max_len, num_kv_heads, head_dim)
-        qg = qb.reshape(block, num_kv_heads, group, head_dim).astype(jnp.float32)
-        s = jnp.einsum("bkgd,blkd->bkgl", qg, kb.astype(jnp.float32)) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        kv_pos = jnp.arange(max_len)[None, :]
-        mask = (kv_pos <= pb[:, None]) & (kv_pos < md.kv_lens[sb][:, None]) & vb[:, None]
-        if sliding_window is not None:
-            mask &= kv_pos > pb[:, None] - sliding_window
-        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        m = jnp.max(s, axis=-1, keepdims=True)
-        p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))  # fully masked rows -> zeros
-        denom = jnp.sum(p, axis=-1, keepdims=True)
-        o = jnp.einsum("bkgl,blkd->bkgd", p, vb_.astype(jnp.float32))
-        o = o / jnp.where(denom > 0, denom, 1.0)
-        return o.reshape(block, num_heads, head_dim)
+    def row_block(r, state):
+        first = r * rows_per_block
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x, first, rows_per_block)
+        hist, low, sq, qb = take(history_p), take(lowest_p), take(seq_p), take(qg_p)
 
-    out = jax.lax.map(one_block, (q_b, seq_b, pos_b, valid_b))
-    return out.reshape(-1, num_heads, head_dim)[:num_tokens].astype(q.dtype)
+        def key_block(b, carry):
+            acc, m_prev, l_prev = carry
+            cols = jax.lax.dynamic_slice_in_dim(tables, b * pages_per_block, pages_per_block, 1)
+            pages = cols[sq][:, offsets // page_size]  # [R, block_kv]
+            index = (layer, pages[:, None, :], (offsets % page_size)[None, None, :],
+                     heads[None, :, None])
+            k, v = cache.k[index], cache.v[index]  # [R, Hkv, block_kv, D]
+            s = capped(jnp.einsum("rkgd,rknd->rkgn", qb, k, preferred_element_type=f32))
+            kv_pos = b * block_kv + offsets
+            seen = (kv_pos[None, :] < hist[:, None]) & (kv_pos[None, :] >= low[:, None])
+            s = jnp.where(seen[:, None, None, :], s, -jnp.inf)
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_next), m_next, 0.0)  # no key yet: exp gives 0
+            correction = jnp.exp(m_prev - m_safe)
+            p = jnp.exp(s - m_safe[..., None])
+            pv = jnp.einsum("rkgn,rknd->rkgd", p.astype(v.dtype), v, preferred_element_type=f32)
+            return correction[..., None] * acc + pv, m_next, correction * l_prev + p.sum(-1)
+
+        with_history = hist > 0
+        start = jnp.min(jnp.where(with_history, low, jnp.iinfo(jnp.int32).max)) // block_kv
+        carry = jax.lax.fori_loop(start, -(-jnp.max(hist) // block_kv), key_block,
+                                  tuple(take(x) for x in state))
+        return tuple(jax.lax.dynamic_update_slice_in_dim(x, c, first, 0)
+                     for x, c in zip(state, carry, strict=True))
+
+    rows = jnp.arange(num_tokens + pad, dtype=jnp.int32)
+    last = jnp.max(jnp.where(history_p > 0, rows, -1))  # rows after it have no history
+    acc, _, denom = jax.lax.fori_loop(0, (last + rows_per_block) // rows_per_block, row_block,
+                                      state)
+    out = acc[:num_tokens] / jnp.where(denom[:num_tokens] > 0, denom[:num_tokens], 1.0)[..., None]
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)  # padded rows: 0
 
 
 def _pallas_gpu(*args, **kw):
@@ -245,13 +314,23 @@ _BACKENDS = {
     "pallas-gpu": _pallas_gpu,
     "pallas-tpu": _pallas_tpu,
 }
-BACKENDS = tuple(_BACKENDS)
+BACKENDS = ("auto", *_BACKENDS)
 
 
 def check_backend(backend: str) -> None:
-    if backend not in _BACKENDS:
+    if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; "
-                         f"available: {', '.join(_BACKENDS)}")
+                         f"available: {', '.join(BACKENDS)}")
+
+
+def resolve_backend(backend: str) -> str:
+    """`auto` is the platform's best: the Pallas kernel on a GPU or TPU (on an H100 it beat
+    the XLA-compiled reference on every mixed batch and on large decode batches, see
+    docs/performance.md), the reference on CPU (where Pallas only interprets)."""
+    check_backend(backend)
+    if backend != "auto":
+        return backend
+    return "reference" if jax.default_backend() == "cpu" else "pallas"
 
 
 def ragged_paged_attention(q, cache, layer, md, *, sm_scale, sliding_window=None,
@@ -259,8 +338,7 @@ def ragged_paged_attention(q, cache, layer, md, *, sm_scale, sliding_window=None
     """The one attention op the model calls; `backend` picks the implementation. Under a
     tensor-parallel `mesh` it runs per shard (Pallas kernels are not partitioned by XLA):
     each device attends its own query heads over its own KV heads."""
-    check_backend(backend)
-    impl = functools.partial(_BACKENDS[backend], sm_scale=sm_scale,
+    impl = functools.partial(_BACKENDS[resolve_backend(backend)], sm_scale=sm_scale,
                              sliding_window=sliding_window, soft_cap=soft_cap)
     kv_specs = KVCache(_KV_PAGES, _KV_PAGES)
     return _per_shard(impl, mesh, (_HEADS, kv_specs, P(), P()), _HEADS)(q, cache, layer, md)

@@ -35,7 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ops.attention import BACKENDS, AttentionMetadata, KVCache, ragged_paged_attention
+from ops.attention import (
+    BACKENDS,
+    AttentionMetadata,
+    KVCache,
+    ragged_paged_attention,
+    row_layout,
+)
 
 LLAMA3_8B = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 ROTATE_BYTES = 512 << 20  # rotate among input sets until they exceed any cache (H100 L2: 50 MB)
@@ -63,11 +69,17 @@ def make_inputs(seqs: list[tuple[int, int]], *, num_heads: int, num_kv_heads: in
     shape = (1, num_pages, page_size, num_kv_heads, head_dim)
     cache = KVCache(jax.random.normal(key_k, shape, dtype), jax.random.normal(key_v, shape, dtype))
     q = jax.random.normal(key_q, (num_tokens, num_heads, head_dim), dtype)
+    query_start_loc = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    kv_lens = jnp.asarray([kv for _, kv in seqs], jnp.int32)
+    # Each row's slot: its K/V sit in the cache already, as after the model's write_kv.
+    slots = np.concatenate([page_tables[s, p // page_size] * page_size + p % page_size
+                            for s, (q_len, kv) in enumerate(seqs)
+                            for p in [np.arange(kv - q_len, kv)]]).astype(np.int32)
+    positions, token_seq = row_layout(query_start_loc, kv_lens, num_tokens)
     md = AttentionMetadata(
-        slot_mapping=jnp.zeros(num_tokens, jnp.int32),
-        query_start_loc=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
-        kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),
+        slot_mapping=jnp.asarray(slots), query_start_loc=query_start_loc, kv_lens=kv_lens,
         page_tables=jnp.asarray(page_tables),
+        positions=positions, token_seq=token_seq,
     )
     return q, cache, md
 

@@ -2,13 +2,16 @@
 the same client and prompts: `python -m engine.bench serve` at several concurrencies.
 
     python scripts/bench_servers.py --out bench-results/             # xlaserve only
+    python scripts/bench_servers.py --llama-cpp-server "$(scripts/build_llama_cpp.sh | tail -1)"
     python scripts/bench_servers.py --llama-cpp-python /venv/bin/python --out bench-results/
 
 Each server is started, waited for, benchmarked at every concurrency and stopped before
 the next one starts, so they never share the CPU. Prompts are random text of common
 words (one token each) so servers without token-id prompts get the same input; every
-request asks for exactly --output-len tokens (ignore_eos / min_tokens). The machine's
-matmul and copy ceilings are measured before and after, and kept with the results.
+request asks for exactly --output-len tokens (ignore_eos / min_tokens), and the table
+counts the requests that came back with another length. Each server's time from start to
+ready and its resident memory once ready are kept too, and so are the machine's matmul
+and copy ceilings, measured before and after.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -27,6 +31,8 @@ import httpx
 from engine.bench import measure_ceilings
 from models.default_model import SERVED_NAME, fetch_default_model
 
+SERVERS = ("xlaserve", "llama-cpp-server", "llama-cpp-python")
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -34,28 +40,63 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rss_mib(pid: int) -> float:
+    """Resident memory of one process (not its children), from /proc/PID/status."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
 @contextlib.contextmanager
 def running(cmd: list[str], url: str, ready_path: str, log: Path, timeout: float = 900):
+    """Start cmd, wait for a 200 from url + ready_path, yield how long that took and the
+    process's resident memory then; stop it on exit."""
+    start = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
-        end = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"{cmd[:3]} exited with {proc.returncode}; see {log}")
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(url + ready_path, timeout=2).status_code == 200:
                     break
-            if time.monotonic() > end:
+            if time.monotonic() - start > timeout:
                 raise RuntimeError(f"{cmd[:3]} not ready after {timeout}s; see {log}")
-            time.sleep(1)
-        yield
+            time.sleep(0.25)
+        yield {"ready_after_s": time.monotonic() - start, "rss_mib": rss_mib(proc.pid)}
     finally:
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def server_command(name: str, args, gguf: str, port: int) -> tuple[list[str], str]:
+    """The command line that serves the default model on port, and its ready path."""
+    ctx = args.input_len + args.output_len + 64  # room for prompts a token or two longer
+    if name == "xlaserve":
+        return [sys.executable, "-m", "server", "--port", str(port), "--max-model-len",
+                str(ctx), "--max-num-seqs", "64", *args.xlaserve_args.split()], "/health"
+    if name == "llama-cpp-server":
+        # -c is shared by the -np slots: each gets c / np, rounded up to a multiple of 256 by
+        # llama.cpp, and a request stops short (no context shift) once its slot is full.
+        per_slot = -(-ctx // 256) * 256
+        total = args.llama_ctx or args.llama_parallel * per_slot
+        return [args.llama_cpp_server, "-m", gguf, "--alias", SERVED_NAME,
+                "--host", "127.0.0.1", "--port", str(port), "-t", str(args.llama_threads),
+                "-np", str(args.llama_parallel), "-c", str(total),
+                *args.llama_args.split()], "/health"
+    if name == "llama-cpp-python":
+        threads = str(args.llama_threads)
+        return [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", gguf,
+                "--model_alias", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+                "--n_ctx", str(ctx), "--n_threads", threads, "--n_threads_batch", threads,
+                # queue concurrent requests instead of cutting off the stream in progress
+                "--interrupt_requests", "False"], "/v1/models"
+    raise ValueError(f"unknown server {name!r}; known: {', '.join(SERVERS)}")
 
 
 def bench(url: str, label: str, concurrency: int, args, out: Path) -> dict:
@@ -71,60 +112,86 @@ def bench(url: str, label: str, concurrency: int, args, out: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def main() -> int:
+def wrong_lengths(run: dict) -> int:
+    """Completed requests whose output length is not the one asked for."""
+    return sum(1 for want, got, err in zip(run["requested_output_lens"], run["output_lens"],
+                                           run["errors"], strict=True) if not err and got != want)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--servers", type=lambda s: s.split(","),
+                   help=f"comma-separated, from {','.join(SERVERS)} (default: xlaserve and "
+                        "each server whose path is given)")
+    p.add_argument("--xlaserve-args", default="", help="extra flags for python -m server")
+    p.add_argument("--llama-cpp-server", metavar="PATH",
+                   help="llama.cpp's llama-server binary (scripts/build_llama_cpp.sh): "
+                        "benchmark it on the same GGUF file too")
     p.add_argument("--llama-cpp-python", metavar="PYTHON",
                    help="a Python with llama-cpp-python[server] installed: benchmark its server "
                         "on the same GGUF file too")
-    p.add_argument("--xlaserve-args", default="", help="extra flags for python -m server")
-    args = p.parse_args()
+    p.add_argument("--llama-threads", type=int, default=os.cpu_count(),
+                   help="CPU threads of the llama.cpp servers")
+    p.add_argument("--llama-parallel", type=int, default=64,
+                   help="llama-server's parallel slots (-np): requests decoded together")
+    p.add_argument("--llama-ctx", type=int, default=None,
+                   help="llama-server's total context (-c), shared by the slots (default: "
+                        "slots x (input + output + 64), rounded up to 256 per slot)")
+    p.add_argument("--llama-args", default="",
+                   help="extra flags for llama-server, e.g. '--poll 0' on a machine whose "
+                        "cores are busy with other work")
+    args = p.parse_args(argv)
+    paths = {"llama-cpp-server": args.llama_cpp_server, "llama-cpp-python": args.llama_cpp_python}
+    if args.servers is None:
+        args.servers = ["xlaserve", *(name for name, path in paths.items() if path)]
+    for name in args.servers:
+        if name not in SERVERS:
+            p.error(f"unknown server {name!r} in --servers; known: {', '.join(SERVERS)}")
+        if name in paths and not paths[name]:
+            p.error(f"--servers {name} needs --{name} PATH")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     gguf = str(fetch_default_model())
     ceilings = measure_ceilings("float32", 64, 576, 1536)
-    results = []
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    ctx = args.input_len + args.output_len + 64  # room for prompts a token or two longer
-    ours = [sys.executable, "-m", "server", "--port", str(port), "--max-model-len", str(ctx),
-            "--max-num-seqs", "64", *args.xlaserve_args.split()]
-    with running(ours, url, "/health", args.out / "xlaserve.log"):
-        results += [bench(url, "xlaserve", c, args, args.out) for c in args.concurrency]
-
-    if args.llama_cpp_python:
+    results, servers = [], {}
+    for name in args.servers:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        theirs = [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", gguf,
-                  "--model_alias", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-                  "--n_ctx", str(ctx), "--n_threads", "2", "--n_threads_batch", "2",
-                  # queue concurrent requests instead of cutting off the stream in progress
-                  "--interrupt_requests", "False"]
-        with running(theirs, url, "/v1/models", args.out / "llama-cpp-python.log"):
-            results += [bench(url, "llama-cpp-python", c, args, args.out)
-                        for c in args.concurrency]
+        cmd, ready_path = server_command(name, args, gguf, port)
+        with running(cmd, url, ready_path, args.out / f"{name}.log") as started:
+            servers[name] = started
+            results += [bench(url, name, c, args, args.out) for c in args.concurrency]
 
     again = measure_ceilings("float32", 64, 576, 1536)
     for key in ("matmul_flops_per_s", "copy_bytes_per_s"):
         ceilings[key] = max(ceilings[key], again[key])
-    summary = {"ceilings": ceilings, "runs": [
-        {k: r[k] for k in ("label", "completed", "failed", "duration_s", "output_throughput",
-                           "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-                           "median_itl_ms", "median_e2el_ms", "total_input_tokens",
-                           "total_output_tokens", "host", "cpu_count")} for r in results]}
+    summary = {"ceilings": ceilings, "servers": servers, "runs": [
+        {**{k: r[k] for k in ("label", "completed", "failed", "duration_s", "output_throughput",
+                              "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+                              "median_itl_ms", "median_e2el_ms", "total_input_tokens",
+                              "total_output_tokens", "host", "cpu_count")},
+         "wrong_length": wrong_lengths(r)} for r in results]}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"\nceilings: matmul {ceilings['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s (float32 "
           f"64x576x1536), copy {ceilings['copy_bytes_per_s'] / 1e9:.1f} GB/s")
-    print("| server | concurrency | output tok/s | median TTFT ms | median TPOT ms | failed |")
-    print("|---|---|---|---|---|---|")
+    print("| server | ready after s | RSS when ready MiB |\n|---|---|---|")
+    for name, s in servers.items():
+        print(f"| {name} | {s['ready_after_s']:.1f} | {s['rss_mib']:.0f} |")
+    print("\n| server | concurrency | output tok/s | median TTFT ms | median TPOT ms | failed | "
+          f"not {args.output_len} tokens |\n|---|---|---|---|---|---|---|")
     for r in summary["runs"]:
         name, c = r["label"].rsplit(" c=", 1)
         print(f"| {name} | {c} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} | "
-              f"{r['median_tpot_ms']:.1f} | {r['failed']} |")
+              f"{r['median_tpot_ms']:.1f} | {r['failed']} | {r['wrong_length']} |")
     return 0
 
 

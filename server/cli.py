@@ -49,10 +49,11 @@ def parser() -> argparse.ArgumentParser:
                         "0.9 of an accelerator or 0.3 of RAM")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="past this many waiting requests, new ones get 429")
-    p.add_argument("--attention-backend", default="reference",
-                   choices=("reference", "pallas", "pallas-gpu", "pallas-tpu"),
-                   help="reference: pure JAX; pallas: the Pallas kernel for this platform "
-                        "(interpreted on CPU); pallas-gpu/pallas-tpu force one kernel")
+    p.add_argument("--attention-backend", default="auto",
+                   choices=("auto", "reference", "pallas", "pallas-gpu", "pallas-tpu"),
+                   help="auto: pallas on a GPU or TPU, reference on CPU; reference: pure JAX; "
+                        "pallas: the Pallas kernel for this platform (interpreted on CPU); "
+                        "pallas-gpu/pallas-tpu force one kernel")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split each model over this many devices (heads, MLP, vocabulary)")
     p.add_argument("--coordinator-address", metavar="HOST:PORT",

@@ -13,7 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from ops.attention import AttentionMetadata, KVCache, ref_ragged_paged_attention
+from ops.attention import AttentionMetadata, KVCache, ref_ragged_paged_attention, row_layout
 
 KINDS = ("decode", "prefill", "mixed")
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -57,6 +57,18 @@ def _lengths(kind: str, page_size: int, rng) -> list[tuple[int, int]]:
     return seqs + [(0, 0)]
 
 
+def slots_of(page_tables, seqs, page_size: int, num_tokens: int) -> np.ndarray:
+    """Each query row's KV slot (its K/V are in the cache already, as after `write_kv`);
+    padded rows point at page 0."""
+    slots = np.zeros(num_tokens, np.int32)
+    row = 0
+    for s, (q_len, kv_len) in enumerate(seqs):
+        for pos in range(kv_len - q_len, kv_len):
+            slots[row] = page_tables[s, pos // page_size] * page_size + pos % page_size
+            row += 1
+    return slots
+
+
 def make_case(kind: str, *, num_kv_heads: int, group: int, head_dim: int, page_size: int,
               dtype=jnp.float32, seed: int = 0, pad_rows: int = 5) -> Case:
     rng = np.random.default_rng(seed)
@@ -76,11 +88,14 @@ def make_case(kind: str, *, num_kv_heads: int, group: int, head_dim: int, page_s
     cache = KVCache(jnp.asarray(rng.standard_normal(shape), dtype),
                     jnp.asarray(rng.standard_normal(shape), dtype))
     q = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)), dtype)
+    kv_lens = jnp.asarray([kv for _, kv in seqs], jnp.int32)
+    positions, token_seq = row_layout(jnp.asarray(query_start_loc), kv_lens, num_tokens)
     md = AttentionMetadata(
-        slot_mapping=jnp.zeros(num_tokens, jnp.int32),
+        slot_mapping=jnp.asarray(slots_of(page_tables, seqs, page_size, num_tokens)),
         query_start_loc=jnp.asarray(query_start_loc),
-        kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),
+        kv_lens=kv_lens,
         page_tables=jnp.asarray(page_tables),
+        positions=positions, token_seq=token_seq,
     )
     return Case(q, cache, md, seqs)
 

@@ -99,9 +99,10 @@ def test_preemption_gives_the_same_greedy_outputs(engine):
     prompts = [_prompt(rng, 25) for _ in range(8)]
     p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     big = engine.generate(prompts, p)
-    # Same runner (same compiled steps), but a block manager that holds 12 usable blocks of
-    # 16 tokens: far less than the 8 sequences need together.
-    small_cfg = dataclasses.replace(engine.config, num_blocks=13)
+    # Same runner (same compiled steps), but a block manager that holds 32 usable blocks of
+    # 16 tokens (one max_model_len sequence, the least an engine starts with): far less than
+    # the 8 sequences need together.
+    small_cfg = dataclasses.replace(engine.config, num_blocks=33)
     small = LLMEngine(small_cfg, runner=engine.runner, tokenizer=engine.tokenizer)
     outs = small.generate(prompts, p)
     assert small.scheduler.num_preemptions > 0
@@ -207,3 +208,27 @@ def test_min_tokens_keeps_eos_from_being_picked(engine):
     assert len(long.token_ids) >= n
     assert not set(long.token_ids[:n]) & engine.tokenizer.eos_token_ids
     assert long.token_ids[:len(short.token_ids) - 1] == short.token_ids[:-1]
+
+
+def test_a_shape_outside_the_table_is_refused_and_counted(engine):
+    """The positive control of the no-compilation checks: both counters can move."""
+    import jax
+
+    from engine.batch import empty_batch
+    from engine.model_runner import BucketMiss, _active
+
+    runner = engine.runner
+    before = runner.compilations_after_warmup
+    outside = (engine.config.max_num_batched_tokens * 2, 1)
+    with pytest.raises(BucketMiss, match=r"\('tokens', 128\) is not in the warmed-up table"):
+        runner.run(empty_batch(engine.config, outside))
+    assert runner.compilations_after_warmup == before + 1
+    # An XLA compilation while a warm runner steps is counted too (what a shape change
+    # inside an executable's call would cost).
+    _active.runner = runner
+    try:
+        jax.jit(lambda x: x * 3 + 1)(np.arange(7.0)).block_until_ready()
+    finally:
+        _active.runner = None
+    assert runner.compilations_after_warmup == before + 2
+    runner.compilations_after_warmup = before

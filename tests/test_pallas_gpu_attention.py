@@ -20,9 +20,10 @@ from attention_cases import (
     case_from,
     check_kernel,
     make_case,
+    slots_of,
 )
 
-from ops.attention import AttentionMetadata, KVCache, ref_ragged_paged_attention
+from ops.attention import AttentionMetadata, KVCache, ref_ragged_paged_attention, row_layout
 from ops.pallas_gpu_attention import _block_sizes, pallas_gpu_ragged_paged_attention
 
 # interpret=None: interpreted on CPU, compiled on a GPU (the bring-up runs these there).
@@ -46,11 +47,13 @@ def _long_case(page_size=16, seed=0) -> Case:
         tables[s, :-(-kv // page_size)] = [free.pop() for _ in range(-(-kv // page_size))]
     num_tokens = sum(q for q, _ in seqs) + 3
     shape = (NUM_LAYERS, num_pages, page_size, 2, 64)
+    query_start_loc = jnp.asarray(np.cumsum([0] + [q for q, _ in seqs]), jnp.int32)
+    kv_lens = jnp.asarray([kv for _, kv in seqs], jnp.int32)
+    positions, token_seq = row_layout(query_start_loc, kv_lens, num_tokens)
     md = AttentionMetadata(
-        slot_mapping=jnp.zeros(num_tokens, jnp.int32),
-        query_start_loc=jnp.asarray(np.cumsum([0] + [q for q, _ in seqs]), jnp.int32),
-        kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),
-        page_tables=jnp.asarray(tables))
+        slot_mapping=jnp.asarray(slots_of(tables, seqs, page_size, num_tokens)),
+        query_start_loc=query_start_loc, kv_lens=kv_lens, page_tables=jnp.asarray(tables),
+        positions=positions, token_seq=token_seq)
     return Case(jnp.asarray(rng.standard_normal((num_tokens, 8, 64)), jnp.float32),
                 KVCache(jnp.asarray(rng.standard_normal(shape), jnp.float32),
                         jnp.asarray(rng.standard_normal(shape), jnp.float32)),

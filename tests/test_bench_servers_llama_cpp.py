@@ -1,0 +1,81 @@
+"""scripts/bench_servers.py: which servers run, llama-server's command line, readiness and
+memory of a started process, and the count of requests with the wrong output length."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_servers",
+                                                  REPO / "scripts" / "bench_servers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_servers = load_script()
+
+
+def test_servers_default_to_xlaserve_and_those_given_a_path():
+    assert bench_servers.parse_args([]).servers == ["xlaserve"]
+    args = bench_servers.parse_args(["--llama-cpp-server", "/bin/llama-server"])
+    assert args.servers == ["xlaserve", "llama-cpp-server"]
+    args = bench_servers.parse_args(["--llama-cpp-server", "/x", "--servers", "llama-cpp-server"])
+    assert args.servers == ["llama-cpp-server"]
+
+
+@pytest.mark.parametrize("argv", [["--servers", "llama-cpp-server"], ["--servers", "vllm"]])
+def test_servers_without_a_path_or_unknown_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit):
+        bench_servers.parse_args(argv)
+    assert "--servers" in capsys.readouterr().err
+
+
+def test_llama_server_gets_one_slot_per_concurrent_request_each_at_least_as_long():
+    args = bench_servers.parse_args(["--llama-cpp-server", "/bin/llama-server",
+                                     "--llama-threads", "2", "--input-len", "100",
+                                     "--output-len", "50"])
+    cmd, ready = bench_servers.server_command("llama-cpp-server", args, "/m.gguf", 1234)
+    flag = lambda name: cmd[cmd.index(name) + 1]
+    assert cmd[0] == "/bin/llama-server" and ready == "/health"
+    assert flag("-m") == "/m.gguf" and flag("--port") == "1234" and flag("-t") == "2"
+    assert flag("--alias") == bench_servers.SERVED_NAME
+    # llama.cpp rounds each slot's context up to a multiple of 256; each holds a whole request
+    assert flag("-np") == "64" and flag("-c") == str(64 * 256)
+    ours, _ = bench_servers.server_command("xlaserve", args, "/m.gguf", 1)
+    assert int(flag("-c")) // 64 >= int(ours[ours.index("--max-model-len") + 1])
+
+
+def test_wrong_lengths_counts_completed_requests_only():
+    run = {"requested_output_lens": [8, 8, 8, 8], "output_lens": [8, 7, 0, 9],
+           "errors": ["", "", "HTTP 500", ""]}
+    assert bench_servers.wrong_lengths(run) == 2
+
+
+def test_running_reports_ready_time_and_memory_and_stops_the_server(tmp_path):
+    port = bench_servers.free_port()
+    serve = [sys.executable, "-c",
+             "import http.server, time; time.sleep(1); "
+             f"http.server.test(http.server.SimpleHTTPRequestHandler, port={port}, "
+             "bind='127.0.0.1')"]
+    with bench_servers.running(serve, f"http://127.0.0.1:{port}", "/", tmp_path / "log",
+                               timeout=60) as started:
+        assert 1 <= started["ready_after_s"] < 60
+        assert 1 < started["rss_mib"] < 1000  # a Python interpreter
+    with pytest.raises(httpx.TransportError):  # stopped
+        httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
+
+
+def test_running_fails_fast_when_the_server_exits(tmp_path):
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        with bench_servers.running([sys.executable, "-c", "raise SystemExit(3)"],
+                                   "http://127.0.0.1:9", "/", tmp_path / "log", timeout=60):
+            pass

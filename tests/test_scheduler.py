@@ -1,0 +1,127 @@
+"""The scheduler on its own (pure Python, no model): token budget, chunked prefill, the
+sequence cap, the preemption victim, and admission that cannot hang."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler import RequestRejected, Scheduler, SchedulerStuck
+from engine.sequence import Sequence
+
+EOS = 2
+
+
+def make(num_blocks: int = 65, **limits) -> Scheduler:
+    cfg = EngineConfig(model="", **{"max_model_len": 64, "max_num_seqs": 4,
+                                    "max_num_batched_tokens": 32, "block_size": 4,
+                                    "num_blocks": num_blocks, **limits})
+    blocks = BlockManager(cfg.total_blocks, cfg.block_size, enable_prefix_caching=False)
+    return Scheduler(cfg, blocks, eos_token_ids=frozenset({EOS}))
+
+
+def seq(n: int, max_tokens: int | None = 8, first: int = 10) -> Sequence:
+    return Sequence(list(range(first, first + n)), SamplingParams(max_tokens=max_tokens), 4)
+
+
+def step(sched: Scheduler, token: int = 7):
+    """One schedule + postprocess, sampling `token` wherever a step reaches a sequence's end."""
+    out = sched.schedule()
+    sched.postprocess(out, [token if e.samples else None for e in out.scheduled])
+    return out
+
+
+def test_prompts_are_chunked_to_the_token_budget():
+    sched = make()
+    a, b = seq(20), seq(20, first=100)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(e.seq, e.num_new_tokens, e.start) for e in out.scheduled] == [(a, 20, 0),
+                                                                           (b, 12, 0)]
+    assert out.num_tokens == 32
+    assert [e.samples for e in out.scheduled] == [True, False]  # b's prompt is not done
+    sched.postprocess(out, [7, None])
+    out = sched.schedule()
+    # Running sequences first: a's decode token, then the rest of b's prompt.
+    assert [(e.seq, e.num_new_tokens, e.start) for e in out.scheduled] == [(a, 1, 20),
+                                                                           (b, 8, 12)]
+
+
+def test_the_sequence_cap_holds_new_prompts_back():
+    sched = make(max_num_seqs=2)
+    seqs = [seq(3, first=10 * i) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    out = step(sched)
+    assert [e.seq for e in out.scheduled] == seqs[:2]
+    assert list(sched.waiting) == [seqs[2]]
+
+
+def test_preemption_takes_the_newest_running_sequence_and_requeues_it_first():
+    # 16 usable blocks of 4 tokens; three 20-token prompts take 15 of them.
+    sched = make(num_blocks=17, max_model_len=40)
+    a, b, c = (seq(20, max_tokens=20, first=100 * i) for i in range(3))
+    for s in (a, b, c):
+        sched.add(s)
+    step(sched)  # a and b's prompts (32 tokens)
+    step(sched)  # c's prompt, a's decode and the rest of b's prompt: all 16 blocks held
+    preempted = []
+    while not preempted:
+        preempted = step(sched).preempted
+    assert preempted == [c]  # the newest running sequence
+    assert sched.waiting[0] is c and c.block_table == [] and c.num_computed_tokens == 0
+    assert sched.num_preemptions == 1
+
+
+def test_a_cache_smaller_than_one_sequence_refuses_to_start():
+    with pytest.raises(ValueError, match=r"holds 8 blocks of 4 tokens \(32 tokens\).*"
+                                         r"max_model_len 64 tokens needs \(16 blocks\)"):
+        make(num_blocks=9)
+
+
+def test_a_request_without_max_tokens_runs_to_the_context_limit_without_hanging():
+    # The cache holds exactly one max_model_len sequence; a request with no max_tokens
+    # grows until the context is full and ends with "length": no self-preemption loop.
+    sched = make(num_blocks=17)
+    s = seq(5, max_tokens=None)
+    sched.add(s)
+    for _ in range(100):
+        if not sched.has_unfinished():
+            break
+        step(sched)
+    assert s.finish_reason == "length" and s.num_tokens == 64
+    assert sched.num_preemptions == 0
+    assert sched.blocks.num_free_blocks == sched.blocks.num_usable_blocks
+
+
+def test_requests_that_cannot_fit_are_rejected_with_the_numbers():
+    sched = make()
+    with pytest.raises(RequestRejected, match="needs 60 prompt tokens \\+ max_tokens 8 = 68"):
+        sched.add(seq(60))
+    with pytest.raises(RequestRejected, match="prompt has 64 tokens"):
+        sched.add(seq(64, max_tokens=None))
+    with pytest.raises(RequestRejected, match="empty"):
+        sched.check_fits(0, None)
+
+
+def test_a_step_that_schedules_nothing_while_work_waits_is_an_error():
+    sched = make()
+    s = seq(4)
+    sched.add(s)
+    while sched.blocks.num_free_blocks:
+        sched.blocks.allocate(seq(4, first=900))
+    with pytest.raises(SchedulerStuck, match="1 waiting and 0 running.*0 of 64 KV blocks free"):
+        sched.schedule()
+
+
+def test_stop_conditions_respect_min_tokens():
+    sched = make()
+    s = Sequence([10, 11], SamplingParams(max_tokens=8, min_tokens=2), 4)
+    sched.add(s)
+    step(sched, token=EOS)  # EOS as the first output token: min_tokens keeps it going
+    assert not s.is_finished
+    step(sched, token=EOS)
+    assert s.finish_reason == "stop" and s.output_token_ids == [EOS, EOS]
