@@ -192,6 +192,7 @@ class ModelRunner:
                 bar.update()
                 if progress is not None:
                     progress(n, len(buckets), futures[done])
+        compiled = time.perf_counter()
         for t in self.config.token_buckets:  # every body, then every head
             self.run(empty_batch(self.config, (t, 1)))
         for s in self.config.seq_buckets:
@@ -199,7 +200,9 @@ class ModelRunner:
         bar.close()
         self.warm = True
         elapsed = time.perf_counter() - start
-        logger.info("Dummy run completed in %.2fs.", elapsed)
+        logger.info("Dummy run completed in %.2fs (%d executables compiled or loaded from the "
+                    "cache in %.2fs, then each run once on padding).", elapsed, len(buckets),
+                    compiled - start)
         return elapsed
 
     def _executable(self, bucket: tuple[str, int]):

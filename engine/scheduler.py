@@ -131,6 +131,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
+        self._trim_to_bucket(scheduled)
         # Sequences with history (computed tokens) first: the reference attention reads
         # history only up to the last row that has any.
         scheduled.sort(key=lambda e: e.start == 0)
@@ -140,6 +141,23 @@ class Scheduler:
                 f"{len(self.running)} running sequences and {self.blocks.num_free_blocks} of "
                 f"{self.blocks.num_usable_blocks} KV blocks free")
         return SchedulerOutput(scheduled, preempted)
+
+    def _trim_to_bucket(self, scheduled: list[ScheduledSeq]) -> None:
+        """A step costs its padded bucket. When a prefill chunk takes a step just past a
+        bucket, move the excess to the next step if the two steps then cost less, counting a
+        step's cost as its bucket size (8 decodes + a 128-token prompt: 128 + 16 rows instead
+        of 256 + 8)."""
+        total = sum(e.num_new_tokens for e in scheduled)
+        below = max((b for b in self.config.token_buckets if b <= total), default=total)
+        excess = total - below
+        chunk = next((e for e in reversed(scheduled) if e.num_new_tokens > max(excess, 1)),
+                     None)
+        if excess == 0 or chunk is None:
+            return
+        bucket = lambda n: self.config.bucket_for(n, 1)[0]
+        following = len(scheduled)  # about the sequences the next step will bring
+        if below + bucket(following + excess) < bucket(total) + bucket(following):
+            chunk.num_new_tokens -= excess
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.deallocate(seq)

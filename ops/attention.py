@@ -185,8 +185,8 @@ def ref_ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    block_kv: int = 256,
-    block_rows: int = 64,
+    block_kv: int = 64,
+    block_rows: int = 16,
 ) -> jax.Array:            # [T, H, D]
     """Ragged paged attention in plain JAX, at a cost that follows the step's real lengths.
 
@@ -200,7 +200,9 @@ def ref_ragged_paged_attention(
        by earlier steps), for blocks of `block_rows` rows up to the last row that has any
        (the engine puts sequences with history first), each reading its rows' pages
        `block_kv` keys at a time up to the block's longest history. Neither loop's trip count
-       depends on the page table's width or the page pool.
+       depends on the page table's width or the page pool. Small blocks measured fastest on
+       the 2-core CPU (a 64-row decode at 192 keys, SmolLM2 heads: 4.8 ms a layer at 16 rows
+       x 64 keys, 10.7 ms at 64 x 256): the gathered K/V of a block stay in cache.
     """
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = cache.page_size, cache.k.shape[3]
@@ -248,7 +250,6 @@ def ref_ragged_paged_attention(
     max_pages = md.page_tables.shape[1]
     tables = jnp.pad(md.page_tables, ((0, 0), (0, -max_pages % pages_per_block)))
     offsets = jnp.arange(block_kv, dtype=jnp.int32)
-    heads = jnp.arange(num_kv_heads, dtype=jnp.int32)
 
     def row_block(r, state):
         first = r * rows_per_block
@@ -258,11 +259,10 @@ def ref_ragged_paged_attention(
         def key_block(b, carry):
             acc, m_prev, l_prev = carry
             cols = jax.lax.dynamic_slice_in_dim(tables, b * pages_per_block, pages_per_block, 1)
-            pages = cols[sq][:, offsets // page_size]  # [R, block_kv]
-            index = (layer, pages[:, None, :], (offsets % page_size)[None, None, :],
-                     heads[None, :, None])
-            k, v = cache.k[index], cache.v[index]  # [R, Hkv, block_kv, D]
-            s = capped(jnp.einsum("rkgd,rknd->rkgn", qb, k, preferred_element_type=f32))
+            pages = cols[sq]  # [R, pages_per_block]: whole pages, copied as slabs
+            k = cache.k[layer, pages].reshape(rows_per_block, block_kv, num_kv_heads, head_dim)
+            v = cache.v[layer, pages].reshape(rows_per_block, block_kv, num_kv_heads, head_dim)
+            s = capped(jnp.einsum("rkgd,rnkd->rkgn", qb, k, preferred_element_type=f32))
             kv_pos = b * block_kv + offsets
             seen = (kv_pos[None, :] < hist[:, None]) & (kv_pos[None, :] >= low[:, None])
             s = jnp.where(seen[:, None, None, :], s, -jnp.inf)
@@ -270,7 +270,7 @@ def ref_ragged_paged_attention(
             m_safe = jnp.where(jnp.isfinite(m_next), m_next, 0.0)  # no key yet: exp gives 0
             correction = jnp.exp(m_prev - m_safe)
             p = jnp.exp(s - m_safe[..., None])
-            pv = jnp.einsum("rkgn,rknd->rkgd", p.astype(v.dtype), v, preferred_element_type=f32)
+            pv = jnp.einsum("rkgn,rnkd->rkgd", p.astype(v.dtype), v, preferred_element_type=f32)
             return correction[..., None] * acc + pv, m_next, correction * l_prev + p.sum(-1)
 
         with_history = hist > 0
@@ -280,10 +280,13 @@ def ref_ragged_paged_attention(
         return tuple(jax.lax.dynamic_update_slice_in_dim(x, c, first, 0)
                      for x, c in zip(state, carry, strict=True))
 
-    rows = jnp.arange(num_tokens + pad, dtype=jnp.int32)
-    last = jnp.max(jnp.where(history_p > 0, rows, -1))  # rows after it have no history
-    acc, _, denom = jax.lax.fori_loop(0, (last + rows_per_block) // rows_per_block, row_block,
-                                      state)
+    if num_tokens + pad == rows_per_block:  # one block of rows (decode buckets): no outer loop
+        acc, _, denom = row_block(0, state)
+    else:
+        rows = jnp.arange(num_tokens + pad, dtype=jnp.int32)
+        last = jnp.max(jnp.where(history_p > 0, rows, -1))  # rows after it have no history
+        acc, _, denom = jax.lax.fori_loop(0, (last + rows_per_block) // rows_per_block,
+                                          row_block, state)
     out = acc[:num_tokens] / jnp.where(denom[:num_tokens] > 0, denom[:num_tokens], 1.0)[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)  # padded rows: 0
 

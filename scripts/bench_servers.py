@@ -78,8 +78,9 @@ def server_command(name: str, args, gguf: str, port: int) -> tuple[list[str], st
     """The command line that serves the default model on port, and its ready path."""
     ctx = args.input_len + args.output_len + 64  # room for prompts a token or two longer
     if name == "xlaserve":
-        return [sys.executable, "-m", "server", "--port", str(port), "--max-model-len",
-                str(ctx), "--max-num-seqs", "64", *args.xlaserve_args.split()], "/health"
+        # Default flags: what a new user runs (--xlaserve-args adds any).
+        return [sys.executable, "-m", "server", "--port", str(port),
+                *args.xlaserve_args.split()], "/health"
     if name == "llama-cpp-server":
         # -c is shared by the -np slots: each gets c / np, rounded up to a multiple of 256 by
         # llama.cpp, and a request stops short (no context shift) once its slot is full.

@@ -21,6 +21,7 @@ class FakeRunner:
         self.gate = threading.Event()
         self.gate.set()
         self.calls, self.pause_after = 0, None  # pause_after: block from that call on
+        self.paused = threading.Event()  # set once a call has blocked on pause_after
 
     def warmup(self):
         self.warm = True
@@ -30,6 +31,7 @@ class FakeRunner:
         self.calls += 1
         if self.calls == self.pause_after:
             self.gate.clear()
+            self.paused.set()
         self.gate.wait()
         if self.fail_next:
             self.fail_next = False

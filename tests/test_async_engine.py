@@ -118,9 +118,11 @@ def test_full_waiting_queue_is_refused(tokenizer):
 
     async def main():
         tasks = [asyncio.create_task(collect(engine, [9, 9], P))]
-        await asyncio.sleep(0.2)
+        # Waits on state, not time: the first request is inside the blocked step, then two
+        # more are waiting.
+        assert await asyncio.to_thread(wait_until, lambda: runners[0].calls == 1)
         tasks += [asyncio.create_task(collect(engine, [9, 9], P)) for _ in range(2)]
-        await asyncio.sleep(0.2)
+        assert await asyncio.to_thread(wait_until, lambda: engine.num_waiting == 2)
         with pytest.raises(EngineOverloaded, match="limit 2"):
             await collect(engine, [9, 9], P)
         runners[0].gate.set()
@@ -210,7 +212,10 @@ def test_a_lost_follower_fails_requests_while_the_engine_thread_is_stuck(tokeniz
                                                                   ignore_eos=True))
         with pytest.raises(EngineDeadError, match=r"cluster lost \(follower 1 disconnected\)"):
             async for _ in stream:
-                follower[0].close()  # the follower dies after the first token
+                # The follower dies once the engine thread is stuck in its 2nd step (waiting
+                # on that state, not on time: closing earlier raced the thread to that step).
+                assert await asyncio.to_thread(runners[0].paused.wait, 30)
+                follower[0].close()
         assert not engine.stats().alive
         with pytest.raises(EngineDeadError, match="cluster lost"):
             await engine.add_request([7], SamplingParams(max_tokens=1))

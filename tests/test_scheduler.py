@@ -45,9 +45,32 @@ def test_prompts_are_chunked_to_the_token_budget():
     assert [e.samples for e in out.scheduled] == [True, False]  # b's prompt is not done
     sched.postprocess(out, [7, None])
     out = sched.schedule()
-    # Running sequences first: a's decode token, then the rest of b's prompt.
+    # Running sequences first: a's decode token, then b's prompt, all but one token: 1 + 8
+    # would pad to 16 rows, so 8 rows now and 2 (a's and b's last) next time.
     assert [(e.seq, e.num_new_tokens, e.start) for e in out.scheduled] == [(a, 1, 20),
-                                                                           (b, 8, 12)]
+                                                                           (b, 7, 12)]
+
+
+def test_a_chunk_just_past_a_bucket_leaves_the_excess_to_the_next_step():
+    sched = make(num_blocks=129, max_model_len=128, max_num_batched_tokens=64)
+    running = [seq(4, max_tokens=50, first=100 * i) for i in range(3)]
+    for s in running:
+        sched.add(s)
+    step(sched)  # their prompts; now three decodes
+    sched.add(big := seq(30, first=900))
+    out = sched.schedule()  # 3 decodes + 30 prompt tokens = 33: one past the 32 bucket
+    assert [e.num_new_tokens for e in out.scheduled] == [1, 1, 1, 29]
+    sched.postprocess(out, [7, 7, 7, None])
+    out = sched.schedule()  # 4 decodes' worth: the prompt's last token and 3 decodes
+    assert out.num_tokens == 4 and out.scheduled[-1].seq is big
+    # Far past a bucket, nothing moves: 3 decodes + 26 = 29 rows cost 32 + 4 as they are,
+    # 16 + 32 cut to 16.
+    sched2 = make(num_blocks=129, max_model_len=128, max_num_batched_tokens=64)
+    for s in (seq(4, first=100 * i) for i in range(3)):
+        sched2.add(s)
+    step(sched2)
+    sched2.add(seq(26, first=900))
+    assert sched2.schedule().num_tokens == 29
 
 
 def test_the_sequence_cap_holds_new_prompts_back():
