@@ -77,7 +77,9 @@ def test_leaving_the_stream_aborts_and_frees_blocks(tokenizer):
     engine, runners = make_engine(tokenizer)
     seen = {}
 
-    runners[0].pause_after = 4  # the engine stalls in its 4th step: the request cannot finish
+    # The engine stalls in its 5th step, so the request cannot finish (its 20-token prompt
+    # may take two steps: the scheduler trims a chunk just past a bucket).
+    runners[0].pause_after = 5
 
     async def main():
         params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
@@ -87,7 +89,7 @@ def test_leaving_the_stream_aborts_and_frees_blocks(tokenizer):
                 break  # what a client disconnect does
 
     try:
-        asyncio.run(main())
+        asyncio.run(asyncio.wait_for(main(), 30))  # a stall fails the test, never hangs it
         runners[0].gate.set()
         assert wait_until(lambda: not engine.engine.has_unfinished() and all_free(engine))
         seq = seen["req"].seqs[0]
@@ -210,12 +212,13 @@ def test_a_lost_follower_fails_requests_while_the_engine_thread_is_stuck(tokeniz
     async def main():
         stream = await engine.add_request([7] * 5, SamplingParams(max_tokens=50,
                                                                   ignore_eos=True))
+        # The follower dies once the engine thread is stuck in its 2nd step (waiting on that
+        # state, not on time or on a token count: closing earlier raced the thread there).
+        assert await asyncio.to_thread(runners[0].paused.wait, 30)
+        follower[0].close()
         with pytest.raises(EngineDeadError, match=r"cluster lost \(follower 1 disconnected\)"):
             async for _ in stream:
-                # The follower dies once the engine thread is stuck in its 2nd step (waiting
-                # on that state, not on time: closing earlier raced the thread to that step).
-                assert await asyncio.to_thread(runners[0].paused.wait, 30)
-                follower[0].close()
+                pass
         assert not engine.stats().alive
         with pytest.raises(EngineDeadError, match="cluster lost"):
             await engine.add_request([7], SamplingParams(max_tokens=1))
