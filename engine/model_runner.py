@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from engine import cluster
-from engine.batch import StepBatch, empty_batch
+from engine.batch import StepBatch, empty_batch, sampling_arrays
 from engine.config import EngineConfig
 from models.default_model import user_cache_dir
 from models.llama import param_specs
@@ -156,14 +156,14 @@ class ModelRunner:
         kind, size = bucket
         cfg = self.config
         if kind == "tokens":
-            fn, donate, outs = self._body, (1,), ("host", "kv")
+            fn, donate = self._body, (1,)
             device_args, host_args = (self.state, self.kv), (empty_batch(cfg, (size, 1))
                                                              .body_inputs,)
         elif kind == "seqs":
             hidden = np.zeros((cfg.max_num_seqs, self.model_config.hidden_size), self.dtype)
-            fn, donate, outs = self._head, (), "host"
+            fn, donate = self._head, ()
             device_args = (self.state,)
-            host_args = (hidden, empty_batch(cfg, cfg.bucket_for(size, size)).sampling)
+            host_args = (hidden, sampling_arrays(size, cfg.max_model_len))
         else:
             raise ValueError(f"unknown bucket kind {kind!r}")
         if self.mesh is None:
@@ -171,9 +171,9 @@ class ModelRunner:
             abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
         else:  # host inputs and outputs replicated; pages stay split by KV head
             everywhere = replicated(self.mesh)
-            kv = KVCache(self.kv_sharding, self.kv_sharding)
-            step = jax.jit(fn, donate_argnums=donate, out_shardings=jax.tree.map(
-                lambda o: kv if o == "kv" else everywhere, outs))
+            outs = ((everywhere, KVCache(self.kv_sharding, self.kv_sharding))
+                    if kind == "tokens" else everywhere)
+            step = jax.jit(fn, donate_argnums=donate, out_shardings=outs)
             abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=everywhere)
         return step.lower(*device_args, *jax.tree.map(abstract, host_args)).compile()
 
@@ -193,10 +193,10 @@ class ModelRunner:
                 if progress is not None:
                     progress(n, len(buckets), futures[done])
         compiled = time.perf_counter()
-        for t in self.config.token_buckets:  # every body, then every head
-            self.run(empty_batch(self.config, (t, 1)))
-        for s in self.config.seq_buckets:
-            self.run(empty_batch(self.config, self.config.bucket_for(s, s)))
+        # Each body with as many sequences as it holds: that runs every head too (each
+        # sequence bucket is some body's body_seqs), and nothing twice.
+        for t in self.config.token_buckets:
+            self.run(empty_batch(self.config, self.config.bucket_for(t, self.config.body_seqs(t))))
         bar.close()
         self.warm = True
         elapsed = time.perf_counter() - start
