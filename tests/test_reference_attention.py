@@ -11,24 +11,29 @@ import numpy as np
 import pytest
 from attention_cases import LAYER, oracle, rel_err
 
-from ops.attention import AttentionMetadata, KVCache, ref_ragged_paged_attention, row_layout
+from ops.attention import (AttentionMetadata, KVCache, history_block, ref_ragged_paged_attention,
+                           row_layout)
 
 PAGE = 16
 
 
 def _poisoned_case(width: int, extra_pages: int, seed: int = 0):
     """Decodes and a prefill chunk with history over pages in random order. Page-table
-    columns past the first block of keys the reference reads (64 keys: 4 pages) point at a
-    page of NaNs, and the pool has `extra_pages` more NaN pages nobody owns; unused columns
-    inside that block point at page 0, as the engine's do."""
+    columns past the first block of keys the reference reads (`history_block`: 80 keys, 5
+    pages, for this step's 12 rows) point at a page of NaNs, and the pool has `extra_pages`
+    more NaN pages nobody owns; unused columns inside that block point at page 0, as the
+    engine's do."""
     rng = np.random.default_rng(seed)
     seqs = [(1, 40), (1, 17), (6, 30), (1, 1)]  # (q_len, kv_len)
     used = [-(-kv // PAGE) for _, kv in seqs]
     num_pages = 2 + sum(used) + extra_pages  # page 0, the NaN page, the real ones, the rest
     nan_page = 1
     real = list(rng.permutation(np.arange(2, 2 + sum(used))))
+    num_tokens = sum(q for q, _ in seqs) + 3
+    _, block_keys = history_block(num_tokens, PAGE)
+    assert max(kv for _, kv in seqs) <= block_keys < 128 * PAGE
     tables = np.full((len(seqs), width), nan_page, np.int32)
-    tables[:, :4] = 0
+    tables[:, :block_keys // PAGE] = 0
     for s, n in enumerate(used):
         tables[s, :n] = [real.pop() for _ in range(n)]
     shape = (2, num_pages, PAGE, 2, 64)
@@ -36,7 +41,6 @@ def _poisoned_case(width: int, extra_pages: int, seed: int = 0):
     v = rng.standard_normal(shape).astype(np.float32)
     k[:, nan_page] = v[:, nan_page] = np.nan
     k[:, 2 + sum(used):] = v[:, 2 + sum(used):] = np.nan
-    num_tokens = sum(q for q, _ in seqs) + 3
     qsl = np.concatenate([[0], np.cumsum([q for q, _ in seqs])]).astype(np.int32)
     slots = np.zeros(num_tokens, np.int32)  # each row's own K/V, as write_kv put them
     row = 0
@@ -55,7 +59,7 @@ def _poisoned_case(width: int, extra_pages: int, seed: int = 0):
 
 @pytest.mark.parametrize("width, extra_pages", [(4, 0), (128, 0), (128, 500)])
 def test_nothing_past_the_real_lengths_is_read(width, extra_pages):
-    # One block of 64 keys covers every history here (the longest is 39), so with a table of
+    # One block of keys covers every history here (the longest is 39), so with a table of
     # 128 columns (max_model_len 2048) a reader of the whole table would meet the NaN pages:
     # 0 * NaN is NaN, so any such read shows in the output.
     q, cache, md = _poisoned_case(width, extra_pages)
