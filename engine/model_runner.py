@@ -26,6 +26,7 @@ from flax import nnx
 from engine import cluster
 from engine.batch import StepBatch, empty_batch, sampling_arrays
 from engine.config import EngineConfig
+from engine.executable_store import ExecutableStore, fingerprint
 from models.default_model import user_cache_dir
 from models.llama import param_specs
 from models.loader import load_config, load_model, resolve_dtype
@@ -37,13 +38,16 @@ from ops.sampling import SamplingMetadata, sample
 logger = logging.getLogger(__name__)
 
 
-def enable_compilation_cache(directory: str | None = None) -> None:
-    """Persistent XLA compilation cache under the user cache, so a restart is fast."""
-    directory = directory or os.environ.get("XLASERVE_COMPILE_CACHE") or str(
-        user_cache_dir() / "jax")
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+def executable_store_dir() -> str | None:
+    """Where compiled step executables are kept between runs (engine.executable_store):
+    $XLASERVE_COMPILE_CACHE, else the user cache; None when that variable is "off", in a
+    multi-process run (each process compiles afresh there, see init_distributed), or when
+    XLA's own persistent cache was turned on by someone else (its executables do not survive
+    a second serialization on CPU)."""
+    setting = os.environ.get("XLASERVE_COMPILE_CACHE", "")
+    if setting == "off" or _distributed or jax.config.jax_compilation_cache_dir:
+        return None
+    return setting or str(user_cache_dir() / "executables")
 
 
 _distributed = False  # set by init_distributed
@@ -106,23 +110,35 @@ class ModelRunner:
             if model is not None:
                 raise ValueError("a multi-host runner loads its model from config.model")
             self.cluster.send("runner", config)
-        if os.environ.get("XLASERVE_COMPILE_CACHE", "") != "off" and not _distributed:
-            enable_compilation_cache()
+        store_dir = executable_store_dir()
+        kv = None
         if model is None:
             mesh = None
             if config.tensor_parallel_size > 1:
                 mesh = make_mesh(config.tensor_parallel_size)
-            model = load_model(config.model, dtype=config.dtype,
-                               attention_backend=config.attention_backend, mesh=mesh)
+            # Zeroing the KV pages (5.6 GiB at the CPU defaults: ~3 s) is memory-bound and
+            # loading the weights is dequantization: one runs beside the other.
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                kv = pool.submit(self._zero_kv, sharded_config(
+                    load_config(config.model), config.tensor_parallel_size),
+                    resolve_dtype(config.dtype), mesh)
+                model = load_model(config.model, dtype=config.dtype,
+                                   attention_backend=config.attention_backend, mesh=mesh)
+                kv = kv.result()
         self.mesh = model.mesh
         self.model_config = model.cfg  # with a mesh: KV heads repeated up to its size if fewer
         self.dtype = model.embed[...].dtype
         self.graphdef, self.state = nnx.split(model)
-        cfg = self.model_config
         self.kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
-        self.kv = KVCache.zeros(cfg.num_layers, config.total_blocks, config.block_size,
-                                cfg.num_kv_heads, cfg.head_dim, self.dtype, self.kv_sharding)
+        expected = self._zero_kv(self.model_config, self.dtype, self.mesh, abstract=True)
+        if kv is None or jax.tree.map(lambda a: (a.shape, a.dtype), kv) != expected:
+            kv = self._zero_kv(self.model_config, self.dtype, self.mesh)
+        self.kv = kv
         self._executables: dict[tuple[str, int], object] = {}
+        self.store = None if store_dir is None else ExecutableStore(
+            store_dir, fingerprint(config, self.graphdef, self.state, self.kv),
+            jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat)
+        self.num_stored_loads = 0  # executables deserialized from the store, not compiled
         logger.info(
             "%s: %s weights, %s attention, max_model_len %d, max_num_seqs %d, "
             "max_num_batched_tokens %d, %d KV pages of %d tokens (%d tokens, %.2f GiB); "
@@ -133,6 +149,14 @@ class ModelRunner:
             self.kv_bytes() / 2**30, list(config.token_buckets), list(config.seq_buckets))
         self.compilations_after_warmup = 0
         self.warm = False
+
+    def _zero_kv(self, cfg, dtype, mesh, abstract: bool = False):
+        """Zeroed KV pages for model config `cfg` (or, `abstract`, their shapes and dtypes)."""
+        shape = (cfg.num_layers, self.config.total_blocks, self.config.block_size,
+                 cfg.num_kv_heads, cfg.head_dim)
+        if abstract:
+            return KVCache((shape, np.dtype(dtype)), (shape, np.dtype(dtype)))
+        return KVCache.zeros(*shape, dtype, None if mesh is None else kv_cache_sharding(mesh))
 
     # ---- the compiled step: a body per token bucket, a head per sequence bucket ------------
 
@@ -152,7 +176,20 @@ class ModelRunner:
         return out.token_ids, out.logprobs, out.top_ids, out.top_logprobs
 
     def compile_bucket(self, bucket: tuple[str, int]):
-        """AOT-compile one executable of the table: ("tokens", T) or ("seqs", S)."""
+        """One executable of the table, ("tokens", T) or ("seqs", S): loaded from the store
+        when a runner of the same fingerprint compiled it before, else compiled ahead of time
+        and stored."""
+        if self.store is not None:
+            exe = self.store.load(bucket)
+            if exe is not None:
+                self.num_stored_loads += 1
+                return exe
+        exe = self._compile(bucket)
+        if self.store is not None:
+            self.store.save(bucket, exe)
+        return exe
+
+    def _compile(self, bucket: tuple[str, int]):
         kind, size = bucket
         cfg = self.config
         if kind == "tokens":
@@ -182,6 +219,7 @@ class ModelRunner:
         single-threaded) and run each once on padding; returns seconds taken."""
         logger.info("Beginning dummy run.")
         start = time.perf_counter()
+        loaded_before = self.num_stored_loads
         buckets = self.config.buckets()
         bar = progress_bar(total=len(buckets), desc="Compiling", unit="executable")
         workers = 1 if self.cluster is not None else min(2, os.cpu_count() or 1)
@@ -200,9 +238,10 @@ class ModelRunner:
         bar.close()
         self.warm = True
         elapsed = time.perf_counter() - start
-        logger.info("Dummy run completed in %.2fs (%d executables compiled or loaded from the "
-                    "cache in %.2fs, then each run once on padding).", elapsed, len(buckets),
-                    compiled - start)
+        loaded = self.num_stored_loads - loaded_before
+        logger.info("Dummy run completed in %.2fs (%d executables in %.2fs: %d loaded from the "
+                    "executable store, %d compiled; then each run once on padding).", elapsed,
+                    len(buckets), compiled - start, loaded, len(buckets) - loaded)
         return elapsed
 
     def _executable(self, bucket: tuple[str, int]):

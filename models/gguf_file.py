@@ -1,17 +1,32 @@
 """Reading GGUF files: metadata as plain Python values, and tensors by name.
 
-Thin wrapper over the `gguf` package's memory-mapped reader; every error names
-the file (a truncated or corrupt file fails here, not deep inside numpy).
+The `gguf` package's reader parses the file once; every error names the file (a truncated
+or corrupt file fails here, not deep inside numpy). What it finds (metadata and where each
+tensor's bytes lie) is kept as a JSON index in the user cache, keyed by the file's path,
+size and modification time: the reader builds Python objects for every entry of the
+vocabulary and merges (2.6 s for the default model on the 2-core CPU), the index loads in
+a few tens of milliseconds. Tensor bytes are always read from the file itself, memory-mapped.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
+
+from models.default_model import user_cache_dir
+
+logger = logging.getLogger(__name__)
+_INDEX_VERSION = 1
 
 
 class GGUFError(ValueError):
@@ -37,32 +52,84 @@ class _Reader(gguf.GGUFReader):
             raise
 
 
-def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    """A memory-mapped reader, cached per (path, mtime, size)."""
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: the fastest-varying dimension first
+    offset: int             # of the tensor's first byte in the file
+    n_bytes: int
+
+
+@dataclasses.dataclass
+class GGUFIndex:
+    path: str
+    metadata: dict[str, Any]  # every key/value field; arrays are lists, strings str
+    tensors: list[TensorInfo]
+
+    def raw(self, tensor: TensorInfo) -> np.ndarray:
+        """The tensor's bytes, memory-mapped: [n_bytes] uint8."""
+        return np.memmap(self.path, np.uint8, "r", offset=tensor.offset, shape=(tensor.n_bytes,))
+
+    def values(self, tensor: TensorInfo) -> np.ndarray:
+        """The tensor dequantized to float32, in numpy order (the GGUF shape reversed)."""
+        return gguf.dequantize(self.raw(tensor), tensor.tensor_type).reshape(
+            tuple(reversed(tensor.shape)))
+
+
+def open_gguf(path: str | Path) -> GGUFIndex:
+    """The file's index, cached per (path, mtime, size) in this process and on disk."""
     try:
         st = Path(path).stat()
     except OSError as e:
         raise GGUFError(f"{path}: cannot open ({e.strerror})") from e
-    return _open(str(path), st.st_mtime_ns, st.st_size)
-
-
-@lru_cache(maxsize=4)
-def _open(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
-    try:
-        return _Reader(path, "r")
-    except Exception as e:  # the reader raises assorted errors on a bad file
-        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    return _open(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """All key/value fields of the file; arrays become lists, strings str."""
-    reader = open_gguf(path)
-    out: dict[str, Any] = {}
+    return dict(open_gguf(path).metadata)
+
+
+@lru_cache(maxsize=4)
+def _open(path: str, mtime_ns: int, size: int) -> GGUFIndex:
+    key = hashlib.sha256(f"{_INDEX_VERSION}\0{path}\0{mtime_ns}\0{size}".encode()).hexdigest()
+    cached = user_cache_dir() / "gguf-index" / f"{key[:32]}.json"
+    try:
+        entry = json.loads(cached.read_text())
+        return GGUFIndex(path, entry["metadata"], [
+            TensorInfo(t["name"], gguf.GGMLQuantizationType(t["type"]), tuple(t["shape"]),
+                       t["offset"], t["n_bytes"]) for t in entry["tensors"]])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or unreadable: parse the file
+    index = _parse(path)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"metadata": index.metadata, "tensors": [
+                {"name": t.name, "type": int(t.tensor_type), "shape": list(t.shape),
+                 "offset": t.offset, "n_bytes": t.n_bytes} for t in index.tensors]}, f)
+        os.replace(tmp, cached)
+    except (OSError, TypeError, ValueError) as e:  # a read-only cache, or a value JSON lacks
+        logger.info("not caching the index of %s (%s)", path, e)
+    return index
+
+
+def _parse(path: str) -> GGUFIndex:
+    try:
+        reader = _Reader(path, "r")
+    except Exception as e:  # the reader raises assorted errors on a bad file
+        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    metadata: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
             continue
         try:
-            out[key] = field.contents()
+            metadata[key] = field.contents()
         except Exception as e:
             raise GGUFError(f"{path}: cannot decode metadata field {key!r}: {e}") from e
-    return out
+    tensors = [TensorInfo(t.name, gguf.GGMLQuantizationType(t.tensor_type),
+                          tuple(int(n) for n in t.shape), int(t.data_offset), int(t.n_bytes))
+               for t in reader.tensors]
+    return GGUFIndex(path, metadata, tensors)

@@ -52,7 +52,7 @@ def gguf_config(path: str | Path) -> ModelConfig:
     names = {t.name: t for t in reader.tensors}
     factors = None
     if "rope_freqs.weight" in names:  # Llama 3.1 scaling, baked by llama.cpp's converter
-        factors = tuple(float(x) for x in np.asarray(names["rope_freqs.weight"].data, np.float32))
+        factors = tuple(float(x) for x in reader.values(names["rope_freqs.weight"]).ravel())
     try:
         return ModelConfig.from_gguf_metadata(read_metadata(path), set(names), factors)
     except ValueError as e:
@@ -71,13 +71,12 @@ def load_gguf_params(path: str | Path, cfg: ModelConfig, dtype) -> dict:
 
     def loader(tensor):
         def load():
-            data = np.asarray(tensor.data)
+            w = gguf.dequantize(reader.raw(tensor), tensor.tensor_type)
             expected = int(np.prod(tensor.shape))
-            w = gguf.dequantize(data, tensor.tensor_type)
             if w.size != expected:
                 raise WeightError(f"{path}: tensor {tensor.name!r} holds {w.size} values, "
                                   f"expected {expected} (truncated file?)")
-            w = w.reshape(tuple(reversed([int(n) for n in tensor.shape])))
+            w = w.reshape(tuple(reversed(tensor.shape)))
             if permuted and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
                 w = unpermute_rows(w, cfg.num_heads)
             elif permuted and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):

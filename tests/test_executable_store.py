@@ -1,0 +1,78 @@
+"""Compiled step executables are stored on disk and loaded back, without tracing, by a runner
+of the same fingerprint; a different configuration or an unreadable file compiles afresh."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.batch import empty_batch
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+
+
+def _config(default_gguf, **overrides) -> EngineConfig:
+    return EngineConfig(model=str(default_gguf), dtype="float32", **{
+        **dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=4, block_size=16,
+               num_blocks=9), **overrides})
+
+
+def _step(runner: ModelRunner) -> np.ndarray:
+    """A two-sequence decode from a prompt token each: the sampled ids (greedy)."""
+    batch = empty_batch(runner.config, (2, 2))
+    batch.num_seqs = 2
+    batch.tokens[:2] = [17, 923]
+    batch.positions[:2] = 0
+    batch.token_seq[:2] = [0, 1]
+    batch.kv_lens[:2] = 1
+    batch.query_start_loc[1:] = [1, 2]
+    batch.page_tables[0, 0], batch.page_tables[1, 0] = 1, 2
+    batch.slot_mapping[:2] = [16, 32]
+    batch.logits_indices[:2] = [0, 1]
+    return runner.run(batch).token_ids
+
+
+@pytest.fixture
+def store_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLASERVE_COMPILE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_a_second_runner_loads_every_executable_and_computes_the_same(default_gguf, store_dir):
+    first = ModelRunner(_config(default_gguf))
+    first.warmup()
+    assert first.num_stored_loads == 0
+    expected = _step(first)
+    stored = sorted(p.name for p in store_dir.rglob("*.pkl"))
+    assert stored == sorted(f"{kind}-{size}.pkl" for kind, size in first.config.buckets())
+
+    second = ModelRunner(_config(default_gguf))
+    assert second.store.directory == first.store.directory
+    second.warmup()
+    assert second.num_stored_loads == len(second.config.buckets())
+    np.testing.assert_array_equal(_step(second), expected)
+    assert second.compilations_after_warmup == 0
+
+
+def test_another_shape_or_a_broken_file_is_compiled(default_gguf, store_dir, caplog):
+    first = ModelRunner(_config(default_gguf))
+    first.compile_bucket(("tokens", 2))
+    other = ModelRunner(_config(default_gguf, max_model_len=128))  # wider page tables
+    assert other.store.directory != first.store.directory
+    other.compile_bucket(("tokens", 2))
+    assert other.num_stored_loads == 0
+
+    (first.store.directory / "tokens-2.pkl").write_bytes(b"not a pickle")
+    again = ModelRunner(_config(default_gguf))
+    again.compile_bucket(("tokens", 2))
+    assert again.num_stored_loads == 0
+    assert "ignoring stored executable" in caplog.text
+    # ... and rewritten whole: the next runner loads it.
+    last = ModelRunner(_config(default_gguf))
+    last.compile_bucket(("tokens", 2))
+    assert last.num_stored_loads == 1
+
+
+def test_no_store_when_turned_off(default_gguf, monkeypatch):
+    monkeypatch.setenv("XLASERVE_COMPILE_CACHE", "off")
+    assert ModelRunner(_config(default_gguf)).store is None
