@@ -1,4 +1,5 @@
-"""ModelRunner: the engine's one device boundary (the only engine module importing jax).
+"""ModelRunner: the engine's one device boundary (with its executable store, the only engine
+modules importing jax).
 
 It owns the parameters, the KV pages (donated into every step so they update in
 place) and the table of compiled executables, all built at warmup: the model body once

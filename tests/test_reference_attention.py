@@ -11,8 +11,13 @@ import numpy as np
 import pytest
 from attention_cases import LAYER, oracle, rel_err
 
-from ops.attention import (AttentionMetadata, KVCache, history_block, ref_ragged_paged_attention,
-                           row_layout)
+from ops.attention import (
+    AttentionMetadata,
+    KVCache,
+    history_block,
+    ref_ragged_paged_attention,
+    row_layout,
+)
 
 PAGE = 16
 

@@ -1,0 +1,366 @@
+"""The GPU bring-up kit: every check a first session on a lent accelerator runs, in one call.
+
+    python scripts/gpu_check.py --out DIR           # on the GPU machine (within 10 minutes)
+    python scripts/gpu_check.py --smoke --out DIR   # the same steps on CPU, tiny shapes (CI)
+
+Steps, each a subprocess with its own time limit and log in DIR (a step that fails or runs out
+of time is reported and the next one runs):
+
+1. environment: python, jax/jaxlib/flax versions, devices and compute capability, the
+   attention backend `auto` picks, nvidia-smi.
+2. kernel tests: tests/test_pallas_gpu_attention.py compiled for the GPU (interpret mode
+   only under --smoke, and a subset).
+3. `python -m ops.bench_attention`: our kernels against the reference and JAX's bundled
+   kernel, with the copy and matmul ceilings of the same run.
+4. `python -m engine.bench --random-weights --config llama-3-8b --dtype bfloat16` at batch 1
+   and 64, with the HBM copy and matmul ceilings; the decode at batch 1 is reported as a
+   fraction of the copy bandwidth (weight + KV bytes a step / TPOT).
+5. the same for the default model's shape (smollm2-135m).
+6. a server smoke test: a random-weight HF directory of the default model's shape (a
+   word-level tokenizer), `python -m server` on it, a completion, a streamed completion and
+   /metrics.
+
+Writes DIR/gpu_check.json (everything) and DIR/gpu_check.md (the tables for
+docs/performance.md). Exits non-zero when a step failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ENGINE_FIELDS = ("warmup_s", "num_executables", "matmul_flops_per_s", "copy_bytes_per_s",
+                 "dense_t1_ms", "median_ttft_ms", "median_tpot_ms", "output_throughput",
+                 "ceiling_fraction", "compilations_after_warmup")
+
+
+_DEADLINE = [float("inf")]  # perf_counter time by which every step must be done (--deadline-s)
+
+
+def _limit(timeout: float) -> float:
+    return max(0.0, min(timeout, _DEADLINE[0] - time.perf_counter()))
+
+
+def _run(name: str, cmd: list[str], out: Path, timeout: float, env=None) -> dict:
+    """Run one step; its output goes to DIR/name.log."""
+    log = out / f"{name}.log"
+    start = time.perf_counter()
+    timeout = _limit(timeout)
+    if timeout < 10:
+        print(f"=== {name}: skipped, the deadline is near", flush=True)
+        return {"name": name, "cmd": cmd, "rc": "no time left", "ok": False, "seconds": 0.0}
+    print(f"=== {name}: {' '.join(cmd)}", flush=True)
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=timeout, env={**os.environ, **(env or {})}).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    seconds = time.perf_counter() - start
+    tail = log.read_text(errors="replace").splitlines()[-15:]
+    print(f"    rc={rc} in {seconds:.0f} s" + ("" if rc == 0 else "\n    " + "\n    ".join(tail)),
+          flush=True)
+    return {"name": name, "cmd": cmd, "rc": rc, "ok": rc == 0, "seconds": seconds,
+            "log": log.name, "tail": tail}
+
+
+def environment() -> dict:
+    import jax
+    import jaxlib
+
+    from ops.attention import resolve_backend
+
+    env = {"python": sys.version.split()[0], "host": platform.node(), "jax": jax.__version__,
+           "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
+           "auto_attention_backend": resolve_backend("auto"),
+           "devices": [{"kind": d.device_kind, "platform": d.platform,
+                        "compute_capability": getattr(d, "compute_capability", None)}
+                       for d in jax.devices()],
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+    try:
+        import flax
+        env["flax"] = flax.__version__
+    except ImportError:
+        env["flax"] = None
+    if shutil.which("nvidia-smi"):
+        env["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,"
+             "driver_version", "--format=csv,noheader"], capture_output=True, text=True,
+            timeout=30).stdout.strip()
+    return env
+
+
+def weight_bytes(preset: str, itemsize: int) -> int:
+    from models.presets import PRESETS
+
+    p = PRESETS[preset]
+    e, f, layers = p["hidden_size"], p["intermediate_size"], p["num_hidden_layers"]
+    d = e // p["num_attention_heads"]
+    attn = e * d * (2 * p["num_attention_heads"] + 2 * p["num_key_value_heads"])
+    per_layer = attn + 3 * e * f + 2 * e
+    embed = p["vocab_size"] * e * (1 if p.get("tie_word_embeddings") else 2)
+    return (layers * per_layer + embed + e) * itemsize
+
+
+def kv_bytes_per_token(preset: str, itemsize: int) -> int:
+    from models.presets import PRESETS
+
+    p = PRESETS[preset]
+    d = p["hidden_size"] // p["num_attention_heads"]
+    return 2 * p["num_hidden_layers"] * p["num_key_value_heads"] * d * itemsize
+
+
+def engine_bench(name, preset, dtype, batch, out, timeout, smoke) -> dict:
+    n_in, n_out = (16, 8) if smoke else (128, 128)
+    cmd = [sys.executable, "-m", "engine.bench", "--random-weights", "--config", preset,
+           "--dtype", dtype, "--input-len", str(n_in), "--output-len", str(n_out),
+           "--ignore-eos", "--output", str(out / f"{name}.json")]
+    if batch == 1:
+        cmd += ["--num-prompts", "2" if smoke else "4", "--concurrency", "1"]
+    else:
+        cmd += ["--num-prompts", str(batch)]
+    if smoke:
+        cmd += ["--max-model-len", "64", "--max-num-seqs", "8", "--max-num-batched-tokens", "16"]
+    step = _run(name, cmd, out, timeout)
+    path = out / f"{name}.json"
+    if step["ok"] and path.exists():
+        res = json.loads(path.read_text())
+        step["result"] = {k: res.get(k) for k in ENGINE_FIELDS}
+        itemsize = 2 if dtype in ("bfloat16", "float16") else 4
+        if batch == 1 and res.get("median_tpot_ms") and res.get("copy_bytes_per_s"):
+            # Bytes a decode step must read: every weight once, plus the KV of its context
+            # (about the prompt and half the output).
+            step_bytes = (weight_bytes(preset, itemsize)
+                          + kv_bytes_per_token(preset, itemsize) * (n_in + n_out // 2))
+            achieved = step_bytes / (res["median_tpot_ms"] / 1e3)
+            step["result"]["decode_bytes_per_s"] = achieved
+            step["result"]["hbm_fraction"] = achieved / res["copy_bytes_per_s"]
+    return step
+
+
+def write_random_hf_model(path: Path, preset: str, dtype: str = "float32") -> Path:
+    """A random-weight HF directory of a preset's shape with a word-level tokenizer (no torch,
+    no network): what the server smoke test serves."""
+    import numpy as np
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    from models.presets import PRESETS
+
+    p = dict(PRESETS[preset])
+    e, f, v = p["hidden_size"], p["intermediate_size"], p["vocab_size"]
+    h, kv = p["num_attention_heads"], p["num_key_value_heads"]
+    d = e // h
+    rng = np.random.default_rng(0)
+    np_dtype = np.float16 if dtype == "float16" else np.float32
+    w = lambda *shape: (rng.standard_normal(shape, np.float32) * 0.02).astype(np_dtype)
+    tensors = {"model.embed_tokens.weight": w(v, e), "model.norm.weight": np.ones(e, np_dtype)}
+    for i in range(p["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        tensors |= {pre + "self_attn.q_proj.weight": w(h * d, e),
+                    pre + "self_attn.k_proj.weight": w(kv * d, e),
+                    pre + "self_attn.v_proj.weight": w(kv * d, e),
+                    pre + "self_attn.o_proj.weight": w(e, h * d),
+                    pre + "mlp.gate_proj.weight": w(f, e), pre + "mlp.up_proj.weight": w(f, e),
+                    pre + "mlp.down_proj.weight": w(e, f),
+                    pre + "input_layernorm.weight": np.ones(e, np_dtype),
+                    pre + "post_attention_layernorm.weight": np.ones(e, np_dtype)}
+    if not p.get("tie_word_embeddings"):
+        tensors["lm_head.weight"] = w(v, e)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "rms_norm_eps": 1e-5, "torch_dtype": dtype, "eos_token_id": 1,
+              "bos_token_id": 0, **p}
+    (path / "config.json").write_text(json.dumps(config))
+    vocab = {f"t{i}": i for i in range(v)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="t2"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "t0", "eos_token": "t1", "unk_token": "t2",
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}))
+    return path
+
+
+def server_smoke(out: Path, preset: str, timeout: float, smoke: bool) -> dict:
+    import httpx
+
+    start = time.perf_counter()
+    step = {"name": "server", "ok": False, "log": "server.log"}
+    timeout = _limit(timeout)
+    if timeout < 10:
+        return step | {"rc": "no time left", "seconds": 0.0}
+    model = write_random_hf_model(out / "random-model", preset)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "server", "--model", str(model), "--port", str(port)]
+    if smoke:
+        cmd += ["--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "16"]
+    step["cmd"] = cmd
+    print(f"=== server: {' '.join(cmd)}", flush=True)
+    url = f"http://127.0.0.1:{port}"
+    with open(out / "server.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while time.perf_counter() - start < timeout:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with {proc.returncode}")
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            else:
+                raise TimeoutError(f"not ready after {timeout:.0f} s")
+            step["ready_s"] = time.perf_counter() - start
+            name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+            body = {"model": name, "prompt": "t5 t6 t7 t8", "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": True}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            r.raise_for_status()
+            step["completion_tokens"] = r.json()["usage"]["completion_tokens"]
+            with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True},
+                              timeout=120) as r:
+                r.raise_for_status()
+                chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+            step["stream_chunks"] = len(chunks)
+            metrics = httpx.get(url + "/metrics", timeout=10).text
+            step["metrics_ok"] = "xlaserve" in metrics or "vllm" in metrics
+            step["ok"] = (step["completion_tokens"] == 8 and len(chunks) >= 8
+                          and step["metrics_ok"])
+        except Exception as e:  # reported, never raised: the report is the product here
+            step["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    step["seconds"] = time.perf_counter() - start
+    shutil.rmtree(out / "random-model", ignore_errors=True)
+    print(f"    ok={step['ok']} in {step['seconds']:.0f} s {step.get('error', '')}", flush=True)
+    return step
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    dev = env.get("devices", [{}])[0]
+    lines = [f"# GPU check ({'smoke, CPU' if report['smoke'] else dev.get('kind')})", "",
+             f"jax {env.get('jax')} (jaxlib {env.get('jaxlib')}), flax {env.get('flax')}, "
+             f"python {env.get('python')}; backend {env.get('backend')}, compute capability "
+             f"{dev.get('compute_capability')}; `auto` attention: "
+             f"{env.get('auto_attention_backend')}.", ""]
+    if env.get("nvidia_smi"):
+        lines += [f"nvidia-smi: {env['nvidia_smi']}", ""]
+    lines += ["| step | ok | seconds |", "|---|---|---|"]
+    for s in report["steps"]:
+        ok = "yes" if s["ok"] else f"NO ({s.get('rc', s.get('error'))})"
+        lines.append(f"| {s['name']} | {ok} | {s.get('seconds', 0):.0f} |")
+    benches = [s for s in report["steps"] if "result" in s]
+    if benches:
+        lines += ["", "| engine.bench | TPOT ms | out tok/s | TTFT ms | dense/ceiling | "
+                  "HBM fraction (b=1) | matmul TFLOP/s | copy GB/s | warmup s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for s in benches:
+            r = s["result"]
+            def f(k, scale=1.0, fmt="{:.1f}", r=r):
+                return "" if r.get(k) is None else fmt.format(r[k] * scale)
+
+            lines.append(f"| {s['name']} | {f('median_tpot_ms')} | {f('output_throughput')} | "
+                         f"{f('median_ttft_ms')} | {f('ceiling_fraction', fmt='{:.3f}')} | "
+                         f"{f('hbm_fraction', fmt='{:.2f}')} | "
+                         f"{f('matmul_flops_per_s', 1e-12, '{:.1f}')} | "
+                         f"{f('copy_bytes_per_s', 1e-9, '{:.0f}')} | {f('warmup_s')} |")
+    attn = report.get("attention_summary")
+    if attn:
+        lines += ["", "ops.bench_attention (see attention_bench.log for every row):", "",
+                  "| case | impl | time | copy fraction | ours x | rel err |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['case']} | {r['impl']} | {r['seconds'] * 1e3:.3f} ms | "
+                  f"{r.get('copy_fraction', 0):.2f} | {r.get('ours_speedup', 0):.2f} | "
+                  f"{r.get('rel_err', 0):.1e} |" for r in attn]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="directory for the logs and the report")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the same steps on CPU with tiny shapes (CI); times mean nothing")
+    ap.add_argument("--skip", default="", help="comma-separated step names to leave out")
+    ap.add_argument("--deadline-s", type=float, default=560,
+                    help="every step ends by then (the device tool stops a call at 600 s); "
+                         "steps past it are reported as skipped")
+    args = ap.parse_args(argv)
+    _DEADLINE[0] = time.perf_counter() + args.deadline_s
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, args.skip.split(",")))
+    smoke = args.smoke
+    if smoke:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    report = {"smoke": smoke, "environment": environment(), "steps": []}
+    steps = report["steps"]
+    py = sys.executable
+
+    if "kernel_tests" not in skip:
+        cmd = [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+               "tests/test_pallas_gpu_attention.py"]
+        env = {"JAX_DEFAULT_MATMUL_PRECISION": "highest"}
+        if smoke:
+            cmd += ["-k", "soft_cap_and_window or bad_inputs or lowers_to_triton"]
+        else:
+            env["JAX_PLATFORMS"] = "cuda"
+        steps.append(_run("kernel_tests", cmd, out, 300 if smoke else 150, env))
+
+    if "attention_bench" not in skip:
+        cmd = [py, "-m", "ops.bench_attention", "--output", str(out / "attention_bench.json")]
+        cmd += (["--smoke", "--impls", "pallas-gpu,bundled-gpu,reference"] if smoke else
+                ["--batches", "1,16,64,256", "--contexts", "512,2048,8192", "--repeats", "10"])
+        steps.append(_run("attention_bench", cmd, out, 300 if smoke else 110))
+        path = out / "attention_bench.json"
+        if path.exists():
+            rows = json.loads(path.read_text()).get("rows", [])
+            report["attention_summary"] = [r for r in rows if r.get("seconds")]
+
+    dtype = "float32" if smoke else "bfloat16"
+    # Batch 1 runs first and compiles the table; batch 64 (the same engine limits) loads it
+    # from the executable store. Under --smoke one tiny shape stands in for both.
+    presets = {"tiny": (240, 240)} if smoke else {"llama-3-8b": (150, 100),
+                                                  "smollm2-135m": (60, 60)}
+    for preset, limits in presets.items():
+        label = preset.replace("-", "_").replace(".", "_")
+        for batch, limit in zip((1, 8 if smoke else 64), limits, strict=True):
+            name = f"engine_{label}_b{batch}"
+            if name in skip or f"engine_{label}" in skip:
+                continue
+            steps.append(engine_bench(name, preset, dtype, batch, out, limit, smoke))
+
+    if "server" not in skip:
+        steps.append(server_smoke(out, "tiny" if smoke else "smollm2-135m",
+                                  240 if smoke else 90, smoke))
+
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "gpu_check.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0 if all(s["ok"] for s in steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""The GPU bring-up kit runs end to end: `scripts/gpu_check.py --smoke` (the same steps on CPU
+with tiny shapes) passes every step and writes its report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--smoke", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    names = [s["name"] for s in report["steps"]]
+    assert names == ["kernel_tests", "attention_bench", "engine_tiny_b1", "engine_tiny_b8",
+                     "server"]
+    assert all(s["ok"] for s in report["steps"])
+    assert report["environment"]["auto_attention_backend"] == "reference"  # CPU
+    b1 = next(s for s in report["steps"] if s["name"] == "engine_tiny_b1")["result"]
+    assert b1["compilations_after_warmup"] == 0 and b1["hbm_fraction"] > 0
+    assert report["attention_summary"] and all(r["rel_err"] < 1e-2
+                                                for r in report["attention_summary"])
+    server = report["steps"][-1]
+    assert server["completion_tokens"] == 8 and server["stream_chunks"] >= 8
+    assert "| engine_tiny_b8 |" in (tmp_path / "gpu_check.md").read_text()
