@@ -10,6 +10,12 @@ Each run also measures the machine's ceilings (matmul rate in the model's dtype,
 device copy bandwidth) and reports the achieved fraction of the matmul ceiling:
 dense FLOPs done per second (2 x non-embedding parameters per processed token, plus
 the LM head per sampled token; attention FLOPs not counted) over the matmul rate.
+
+`--simulate-device-ms X` measures the host path alone: the real scheduler, batch building,
+postprocessing and detokenizer (of the default model's tokenizer) run against a runner whose
+step takes X ms of wall time without holding the GIL or a core (a sleep), as a fast
+accelerator would. It reports `host_ms_per_step` (wall time per step not spent in the
+simulated device) and `device_busy_fraction` (how much of the run the device was busy).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from flax import nnx
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, StepResult
 from engine.sampling_params import SamplingParams
 from ops.attention import BACKENDS
 
@@ -111,6 +117,74 @@ def build_engine(args) -> LLMEngine:
 
     cfg = EngineConfig(model=args.model or str(fetch_default_model()), **common)
     return LLMEngine(cfg, detokenize=False)
+
+
+class SimulatedRunner:
+    """A device that takes `step_ms` per step and computes nothing: each row's next token is a
+    fixed function of its last one (never a special token). It sleeps, so the host thread
+    keeps its core and the GIL is free, as while an accelerator runs."""
+
+    def __init__(self, config: EngineConfig, step_ms: float, vocab_size: int,
+                 special: frozenset[int]):
+        self.config, self.step_s = config, step_ms / 1e3
+        self.compilations_after_warmup, self.warm = 0, False
+        self.num_steps, self.busy_s = 0, 0.0
+        ok = np.array([t for t in range(min(vocab_size, 32000)) if t not in special], np.int32)
+        self._next = np.full(max(vocab_size, 32000), ok[0], np.int32)
+        self._next[ok] = np.roll(ok, -7)  # a permutation of the ordinary ids
+
+    def warmup(self) -> float:
+        self.warm = True
+        return 0.0
+
+    def run(self, batch) -> StepResult:
+        start = time.perf_counter()
+        n = batch.num_seqs
+        ids = self._next[batch.tokens[batch.logits_indices[:n]]]
+        time.sleep(max(0.0, self.step_s - (time.perf_counter() - start)))
+        self.num_steps += 1
+        self.busy_s += time.perf_counter() - start
+        return StepResult(ids, np.zeros(n, np.float32), np.zeros((n, 20), np.int32),
+                          np.zeros((n, 20), np.float32))
+
+
+def simulate(args) -> dict:
+    """The --simulate-device-ms run: the host path's cost per step and the device's share."""
+    from models.default_model import fetch_default_model
+    from models.tokenizer import Tokenizer
+
+    path = args.model or str(fetch_default_model())
+    tokenizer = Tokenizer.from_path(path)
+    cfg = EngineConfig(model=path, max_model_len=args.max_model_len,
+                       max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       block_size=args.block_size)
+    runner = SimulatedRunner(cfg, args.simulate_device_ms, tokenizer.vocab_size,
+                             tokenizer.special_token_ids | tokenizer.eos_token_ids)
+    engine = LLMEngine(cfg, runner=runner, tokenizer=tokenizer, detokenize=True)
+    requests = make_requests(args, tokenizer.vocab_size, tokenizer.special_token_ids)
+    timings, duration = run(engine, requests, args.concurrency or args.num_prompts)
+    done = list(timings.values())
+    out_tokens = sum(t.output_len for t in done)
+    return {"platform": "simulated", "host": platform.processor() or platform.machine(),
+            "simulate_device_ms": args.simulate_device_ms, "completed": len(done),
+            "duration_s": duration, "num_steps": runner.num_steps,
+            "total_output_tokens": out_tokens, "output_throughput": out_tokens / duration,
+            "host_ms_per_step": (duration - runner.busy_s) / runner.num_steps * 1e3,
+            "device_busy_fraction": runner.busy_s / duration,
+            **_stats("tpot", [(t.end - t.first) / (t.output_len - 1) for t in done
+                              if t.output_len > 1]),
+            "num_preemptions": engine.scheduler.num_preemptions, "args": vars(args)}
+
+
+def _print(res: dict, output: str | None) -> None:
+    width = max(len(k) for k in res)
+    for k, v in res.items():
+        if k != "args":
+            print(f"{k:<{width}}  {v:,.3f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    if output:
+        with open(output, "w") as f:
+            json.dump(res, f, indent=2)
 
 
 def make_requests(args, vocab: int, special: frozenset[int]):
@@ -226,11 +300,17 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=defaults.block_size)
     p.add_argument("--attention-backend", default=defaults.attention_backend, choices=BACKENDS)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--simulate-device-ms", type=float, default=None,
+                   help="measure the host path alone against a simulated device whose step "
+                        "takes this long (no model runs)")
     p.add_argument("--output", help="write the results as JSON")
     args = p.parse_args(argv)
     if args.max_model_len is None:
         args.max_model_len = max(defaults.max_model_len,
                                  -(-(args.input_len + args.output_len) // 16) * 16)
+    if args.simulate_device_ms is not None:
+        _print(simulate(args), args.output)
+        return 0
 
     engine = build_engine(args)
     start = time.perf_counter()
@@ -256,13 +336,7 @@ def main(argv=None) -> int:
            "dense_t1_ms": dense_t1 * 1e3,
            **summarize(engine, timings, duration, ceilings), "args": vars(args)}
     res["median_tpot_over_dense_t1"] = res["median_tpot_ms"] / res["dense_t1_ms"]
-    width = max(len(k) for k in res)
-    for k, v in res.items():
-        if k != "args":
-            print(f"{k:<{width}}  {v:,.3f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(res, f, indent=2)
+    _print(res, args.output)
     return 0 if res["compilations_after_warmup"] == 0 else 1
 
 

@@ -18,3 +18,18 @@ def test_bench_runs_and_writes_json(tmp_path):
                 "matmul_flops_per_s", "copy_bytes_per_s", "p99_e2el_ms"):
         assert res[key] > 0, key
     assert 2 * 6 <= res["total_output_tokens"] <= 5 * 6  # lengths drawn from [2, 5]
+
+
+def test_simulated_device_measures_the_host_path(tmp_path, default_gguf):
+    """--simulate-device-ms: the real scheduler, batch and detokenizer against a device that
+    sleeps; one prefill step (8 x 32 prompt tokens fit the 512-token budget) then 7 decode
+    steps, each at least 5 ms of device time."""
+    out = tmp_path / "sim.json"
+    rc = bench.main(["--model", str(default_gguf), "--simulate-device-ms", "5",
+                     "--num-prompts", "8", "--input-len", "32", "--output-len", "8",
+                     "--ignore-eos", "--output", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["completed"] == 8 and res["total_output_tokens"] == 64
+    assert res["num_steps"] == 8
+    assert 0 < res["device_busy_fraction"] < 1 and res["host_ms_per_step"] > 0
+    assert res["device_busy_fraction"] * res["duration_s"] >= 8 * 0.005
