@@ -27,6 +27,7 @@ import hashlib
 import logging
 import os
 import pickle
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 _PACKAGES = ("engine", "models", "ops")
 _ROOT = Path(__file__).resolve().parents[1]
+
+MAX_CONFIGURATIONS = 32  # fingerprint directories kept; the least recently used go first
 
 # EngineConfig fields that cannot change a compiled step (names, served limits, seeds).
 _IRRELEVANT = {"model", "name", "max_waiting_requests", "seed", "enable_prefix_caching"}
@@ -92,8 +95,10 @@ class ExecutableStore:
         try:
             with open(path, "rb") as f:
                 serialized, in_tree, out_tree = pickle.load(f)
-            return serialize_executable.deserialize_and_load(
+            exe = serialize_executable.deserialize_and_load(
                 serialized, in_tree, out_tree, execution_devices=self.devices)
+            os.utime(self.directory)  # recently used: kept by _prune
+            return exe
         except Exception as e:  # a torn or foreign file: compile instead, and rewrite it
             logger.warning("ignoring stored executable %s (%s: %s)", path, type(e).__name__, e)
             return None
@@ -104,9 +109,20 @@ class ExecutableStore:
         except Exception as e:  # e.g. a backend that cannot serialize: nothing to keep
             logger.info("cannot store executable %s (%s: %s)", bucket, type(e).__name__, e)
             return
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if not self.directory.exists():
+            self.directory.mkdir(parents=True)
+            self._prune()
         # Written whole, then renamed: a reader never sees half a file.
         fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, self._path(bucket))
+
+    def _prune(self) -> None:
+        """Keep the MAX_CONFIGURATIONS most recently used fingerprints: every source change
+        or new engine configuration starts a directory, and nothing else removes them."""
+        root = self.directory.parent
+        entries = sorted((d for d in root.iterdir() if d.is_dir()),
+                         key=lambda d: d.stat().st_mtime, reverse=True)
+        for stale in entries[MAX_CONFIGURATIONS:]:
+            shutil.rmtree(stale, ignore_errors=True)

@@ -76,3 +76,19 @@ def test_another_shape_or_a_broken_file_is_compiled(default_gguf, store_dir, cap
 def test_no_store_when_turned_off(default_gguf, monkeypatch):
     monkeypatch.setenv("XLASERVE_COMPILE_CACHE", "off")
     assert ModelRunner(_config(default_gguf)).store is None
+
+
+def test_old_configurations_are_pruned(default_gguf, store_dir, monkeypatch):
+    import os
+
+    from engine import executable_store
+
+    monkeypatch.setattr(executable_store, "MAX_CONFIGURATIONS", 2)
+    for i, seqs in enumerate((1, 2, 4)):
+        runner = ModelRunner(_config(default_gguf, max_num_seqs=seqs))
+        runner.compile_bucket(("seqs", 1))
+        os.utime(runner.store.directory, (1000 + i, 1000 + i))  # oldest first
+        if i == 0:
+            first = runner.store.directory
+    kept = [d for d in store_dir.iterdir() if d.is_dir()]
+    assert len(kept) == 2 and first not in kept
