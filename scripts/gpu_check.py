@@ -31,14 +31,13 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 ENGINE_FIELDS = ("warmup_s", "num_executables", "matmul_flops_per_s", "copy_bytes_per_s",
                  "dense_t1_ms", "median_ttft_ms", "median_tpot_ms", "output_throughput",
@@ -198,6 +197,7 @@ def write_random_hf_model(path: Path, preset: str, dtype: str = "float32") -> Pa
 
 def server_smoke(out: Path, preset: str, timeout: float, smoke: bool) -> dict:
     import httpx
+    from bench_servers import free_port, running
 
     start = time.perf_counter()
     step = {"name": "server", "ok": False, "log": "server.log"}
@@ -205,30 +205,16 @@ def server_smoke(out: Path, preset: str, timeout: float, smoke: bool) -> dict:
     if timeout < 10:
         return step | {"rc": "no time left", "seconds": 0.0}
     model = write_random_hf_model(out / "random-model", preset)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "server", "--model", str(model), "--port", str(port)]
     if smoke:
         cmd += ["--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "16"]
     step["cmd"] = cmd
     print(f"=== server: {' '.join(cmd)}", flush=True)
     url = f"http://127.0.0.1:{port}"
-    with open(out / "server.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            while time.perf_counter() - start < timeout:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with {proc.returncode}")
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
-            else:
-                raise TimeoutError(f"not ready after {timeout:.0f} s")
-            step["ready_s"] = time.perf_counter() - start
+    try:
+        with running(cmd, url, "/health", out / "server.log", timeout) as ready:
+            step["ready_s"] = ready["ready_after_s"]
             name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
             body = {"model": name, "prompt": "t5 t6 t7 t8", "max_tokens": 8, "temperature": 0,
                     "ignore_eos": True}
@@ -244,14 +230,8 @@ def server_smoke(out: Path, preset: str, timeout: float, smoke: bool) -> dict:
             step["metrics_ok"] = "xlaserve" in metrics or "vllm" in metrics
             step["ok"] = (step["completion_tokens"] == 8 and len(chunks) >= 8
                           and step["metrics_ok"])
-        except Exception as e:  # reported, never raised: the report is the product here
-            step["error"] = f"{type(e).__name__}: {e}"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    except Exception as e:  # reported, never raised: the report is the product here
+        step["error"] = f"{type(e).__name__}: {e}"
     step["seconds"] = time.perf_counter() - start
     shutil.rmtree(out / "random-model", ignore_errors=True)
     print(f"    ok={step['ok']} in {step['seconds']:.0f} s {step.get('error', '')}", flush=True)
@@ -309,8 +289,9 @@ def main(argv=None) -> int:
                          "steps past it are reported as skipped")
     args = ap.parse_args(argv)
     _DEADLINE[0] = time.perf_counter() + args.deadline_s
-    out = Path(args.out)
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    os.chdir(ROOT)  # every step runs from the checkout (python -m server, tests/)
     skip = set(filter(None, args.skip.split(",")))
     smoke = args.smoke
     if smoke:
