@@ -14,7 +14,10 @@ the 64 best tokens (one lax.top_k, ~7 ms) and fall back to an exact 32-step bise
 (a Gumbel draw needs S*V random numbers, ~40 ms there), over block masses then one block.
 Work no row asks for is skipped by a `lax.cond` on a batch-wide predicate: penalties (two
 scatters), the draw itself (all greedy), top-k/top-p, the bisections, the top-20 logprobs.
-Under `vmap` a cond becomes a select and runs both branches: call these on the whole batch.
+That holds on CPU only (`_skip_unless`): on a GPU or TPU a conditional on device data makes
+the host wait for its predicate, so there the work runs unconditionally (each skipped
+branch equals the full one when no row asks for its work). Under `vmap` a cond becomes a
+select and runs both branches: call these on the whole batch.
 """
 
 from __future__ import annotations
@@ -99,6 +102,15 @@ def row_keys(md: SamplingMetadata) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(keys, md.steps)
 
 
+def _skip_unless(pred: jax.Array, full: Callable, skipped: Callable, *operands):
+    """`full(*operands)`, or `skipped(*operands)` when the batch-wide `pred` is false, which
+    must give the same result when no row asks for the work `full` does. A `lax.cond` on CPU;
+    elsewhere `full` unconditionally, since a cond on device data is a host sync per step on
+    GPU (chosen per lowering platform, so an export for cuda on a CPU host has no cond)."""
+    return lax.platform_dependent(
+        *operands, cpu=lambda *ops: lax.cond(pred, full, skipped, *ops), default=full)
+
+
 # ---- penalties ------------------------------------------------------------------------
 
 
@@ -129,7 +141,7 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     """vLLM's penalties on [S, V] logits: repetition over prompt + output tokens (positive
     logits divided by r, negative ones multiplied), then frequency (f * count) and presence
     (p * [count > 0]) over output tokens only. Skipped when no row uses any of them."""
-    return lax.cond(_penalties_active(md), _penalize, lambda x, _: x, logits, md)
+    return _skip_unless(_penalties_active(md), _penalize, lambda x, _: x, logits, md)
 
 
 # ---- filters: each one is a per-row threshold found without sorting -------------------
@@ -233,8 +245,8 @@ def _top_k_top_p(x: jax.Array, x_max: jax.Array, md: SamplingMetadata) -> jax.Ar
     k = jnp.where(k_on[:, 0], md.top_k, 1)[:, None].astype(jnp.int32)          # [S, 1]
     k_fits = k <= num_candidates
     k_cut = jnp.take_along_axis(values, jnp.minimum(k, num_candidates) - 1, axis=-1)
-    k_cut = lax.cond(jnp.any(sampled[:, None] & k_on & ~k_fits),
-                     lambda: jnp.where(k_fits, k_cut, _bisect_top_k(x, k)), lambda: k_cut)
+    k_cut = _skip_unless(jnp.any(sampled[:, None] & k_on & ~k_fits),
+                         lambda c: jnp.where(k_fits, c, _bisect_top_k(x, k)), lambda c: c, k_cut)
     k_cut = jnp.where(k_on, k_cut, -jnp.inf)
     w = _weights(x, x_max, md, k_cut)                                          # [S, V]
 
@@ -252,7 +264,7 @@ def _top_k_top_p(x: jax.Array, x_max: jax.Array, md: SamplingMetadata) -> jax.Ar
         x_cut = jnp.min(jnp.where(w >= w_cut, x, jnp.inf), axis=-1, keepdims=True)
         return jnp.where(p_fits, p_cut, x_cut)
 
-    p_cut = lax.cond(jnp.any(sampled[:, None] & p_on & ~p_fits), bisect, lambda c: c, p_cut)
+    p_cut = _skip_unless(jnp.any(sampled[:, None] & p_on & ~p_fits), bisect, lambda c: c, p_cut)
     return jnp.maximum(k_cut, jnp.where(p_on, p_cut, -jnp.inf))
 
 
@@ -291,8 +303,8 @@ def _sample_random(x: jax.Array, x_max: jax.Array, md: SamplingMetadata) -> jax.
     """[S] i32 drawn from softmax(x / T) after min-p, top-k and top-p (vLLM v1's order; top-k
     and min-p commute, top-p sees the renormalised survivors of both). -1 where nothing is
     left to draw, which only NaN logits cause: the argmax survives every filter."""
-    cutoff = lax.cond(jnp.any((md.temperature > 0) & ((md.top_k > 0) | (md.top_p < 1))),
-                      _top_k_top_p, _no_cutoff, x, x_max, md)                  # [S, 1]
+    cutoff = _skip_unless(jnp.any((md.temperature > 0) & ((md.top_k > 0) | (md.top_p < 1))),
+                          _top_k_top_p, _no_cutoff, x, x_max, md)              # [S, 1]
     u = jax.vmap(lambda key: jax.random.uniform(key, ()))(row_keys(md))       # [S]
     return _draw(x, lambda xs: _weights(xs, x_max, md, cutoff), u)
 
@@ -300,8 +312,8 @@ def _sample_random(x: jax.Array, x_max: jax.Array, md: SamplingMetadata) -> jax.
 def _pick(x: jax.Array, md: SamplingMetadata) -> jax.Array:
     """[S] token ids from penalized logits x: argmax for greedy rows, a draw for the rest."""
     greedy_ids, x_max = _argmax(x)
-    sampled_ids = lax.cond(jnp.any(md.temperature > 0), _sample_random,
-                           lambda *_: jnp.full_like(greedy_ids, -1), x, x_max, md)
+    sampled_ids = _skip_unless(jnp.any(md.temperature > 0), _sample_random,
+                               lambda *_: jnp.full_like(greedy_ids, -1), x, x_max, md)
     return jnp.where((md.temperature > 0) & (sampled_ids >= 0), sampled_ids, greedy_ids)
 
 
@@ -344,17 +356,20 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SampleOutput:
     # Raw logprobs: log-softmax before penalties and temperature.
     raw_max = jnp.max(logits, axis=-1, keepdims=True)
     lse = raw_max + jnp.log(jnp.sum(jnp.exp(logits - raw_max), axis=-1, keepdims=True))
-    top_ids, top_logprobs = lax.cond(jnp.any(md.num_top_logprobs > 0), _top_logprobs,
-                                     _no_top_logprobs, logits, lse)
+    top_ids, top_logprobs = _skip_unless(jnp.any(md.num_top_logprobs > 0), _top_logprobs,
+                                         _no_top_logprobs, logits, lse)
+    wants = (md.num_top_logprobs > 0)[:, None]  # rows that asked for none: -1 / -inf
+    top_ids = jnp.where(wants, top_ids, -1)
+    top_logprobs = jnp.where(wants, top_logprobs, -jnp.inf)
 
     # Banned ids (min_tokens) are masked for the pick only; logprobs stay raw. Rows whose
     # every id is banned cannot occur: the engine bans at most MAX_BANNED of V ids.
-    logits_for_pick = lax.cond(jnp.any(md.banned_tokens >= 0), _ban, lambda x, _: x, logits,
-                               md.banned_tokens)
+    logits_for_pick = _skip_unless(jnp.any(md.banned_tokens >= 0), _ban, lambda x, _: x,
+                                   logits, md.banned_tokens)
     # The whole pick sits inside the penalty cond so that the common no-penalty branch reads
     # the logits in place: a cond that returned [S, V] logits would copy them.
-    token_ids = lax.cond(_penalties_active(md), lambda x, md: _pick(_penalize(x, md), md),
-                         _pick, logits_for_pick, md)
+    token_ids = _skip_unless(_penalties_active(md), lambda x, md: _pick(_penalize(x, md), md),
+                             _pick, logits_for_pick, md)
     logprobs = (jnp.take_along_axis(logits, token_ids[:, None], axis=-1) - lse)[:, 0]
     return SampleOutput(token_ids, logprobs, top_ids, top_logprobs)
 

@@ -1,0 +1,51 @@
+"""No host syncs inside the compiled step on a GPU: lowered for platform `cuda` (jax.export, on
+this CPU host), the sampler has no conditional whose predicate is device data (on GPU each one
+makes the host wait for the predicate). Conditionals on constants (`lax.platform_dependent`
+picking the platform's branch) are folded away by XLA and allowed. On CPU the sampler keeps
+its conditionals (they skip work no row asks for), which is the positive control."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+from jax import export
+
+from ops.sampling import SamplingMetadata, sample
+
+_CONDITIONAL = re.compile(r'^(%[\w#]+)(?::\d+)? = "?stablehlo\.(?:case|if)"?\(?\s*(%[\w#]+)')
+
+
+def data_dependent_conditionals(mlir: str) -> list[str]:
+    """The `stablehlo.case` / `stablehlo.if` ops whose operand is device data: neither a
+    constant nor the result of a conditional on a constant (`lax.platform_dependent` lowers
+    to a case on the platform index, itself a case on a constant)."""
+    constants = set(re.findall(r"(%[\w#]+) = stablehlo\.constant", mlir))
+    found = []
+    for line in mlir.splitlines():
+        m = _CONDITIONAL.search(line.strip())
+        if m is None:
+            continue
+        if m.group(2) in constants:
+            constants.add(m.group(1))
+        else:
+            found.append(line.strip())
+    return found
+
+
+def _sampler_mlir(platform: str) -> str:
+    num_seqs, vocab = 4, 1000
+    md = SamplingMetadata.dummy(num_seqs, 8, 8)
+    args = (jax.ShapeDtypeStruct((num_seqs, vocab), jnp.float32),
+            jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), md))
+    return export.export(jax.jit(sample), platforms=[platform])(*args).mlir_module()
+
+
+def test_the_sampler_has_no_conditional_on_device_data_for_cuda():
+    assert data_dependent_conditionals(_sampler_mlir("cuda")) == []
+
+
+def test_on_cpu_the_sampler_skips_work_with_conditionals():
+    # The positive control: the check finds the CPU lowering's conditionals.
+    assert len(data_dependent_conditionals(_sampler_mlir("cpu"))) >= 6
