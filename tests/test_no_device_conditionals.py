@@ -49,3 +49,33 @@ def test_the_sampler_has_no_conditional_on_device_data_for_cuda():
 def test_on_cpu_the_sampler_skips_work_with_conditionals():
     # The positive control: the check finds the CPU lowering's conditionals.
     assert len(data_dependent_conditionals(_sampler_mlir("cpu"))) >= 6
+
+
+def test_the_model_body_with_the_gpu_kernel_has_no_conditional_on_device_data(monkeypatch):
+    """The body as the engine compiles it on a GPU (`auto` picks the Pallas GPU kernel there),
+    lowered for cuda from this host: no data-dependent case/if around the Triton call. The
+    kernel interprets unless the default backend is a GPU, so the test asks for the real
+    lowering. (jax.export refuses Triton calls, which have no compatibility guarantee, so
+    this one lowers without exporting.)"""
+    import functools
+
+    from engine.batch import empty_batch
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+    from models.presets import preset_config
+    from models.weights import random_model
+    from ops import attention
+    from ops.pallas_gpu_attention import pallas_gpu_ragged_paged_attention
+
+    monkeypatch.setitem(attention._BACKENDS, "pallas-gpu", functools.partial(
+        pallas_gpu_ragged_paged_attention, interpret=False))
+    monkeypatch.setenv("XLASERVE_COMPILE_CACHE", "off")
+    cfg = EngineConfig(model="random:tiny", max_model_len=128, max_num_seqs=4,
+                       max_num_batched_tokens=16, attention_backend="pallas-gpu")
+    runner = ModelRunner(cfg, model=random_model(preset_config("tiny"), jnp.float32,
+                                                 attention_backend="pallas-gpu"))
+    abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    args = jax.tree.map(abstract, (runner.state, runner.kv, empty_batch(cfg, (16, 4)).body_inputs))
+    text = jax.jit(runner._body).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
+    assert data_dependent_conditionals(text) == []
