@@ -301,6 +301,10 @@ class AsyncEngine:
             num_aborted=self._retired.num_aborted + old.num_aborted,
             compilations_after_warmup=self._retired.compilations_after_warmup
             + old.runner.compilations_after_warmup)
+        # The dead engine's host bookkeeping stays readable (stats) while its device memory
+        # goes before the next one is built: both at once would not fit at a high
+        # --gpu-memory-utilization.
+        old.runner.release()
         while not self._stopping and cluster.lost() is None:
             try:
                 self.engine = self._build()

@@ -137,6 +137,9 @@ class SimulatedRunner:
         self.warm = True
         return 0.0
 
+    def release(self) -> None:
+        self.warm = False
+
     def run(self, batch) -> StepResult:
         start = time.perf_counter()
         n = batch.num_seqs

@@ -270,6 +270,16 @@ class ModelRunner:
         n = batch.num_seqs
         return StepResult(ids[:n], logprobs[:n], top_ids[:n], top_logprobs[:n])
 
+    def release(self) -> None:
+        """Free this runner's device memory (weights, KV pages, executables) now rather than
+        whenever the last reference goes: a rebooting engine calls it before building the
+        next runner, so the two never hold device memory at once."""
+        for x in jax.tree.leaves((self.state, self.kv)):
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
+        self._executables.clear()
+        self.warm = False
+
     def kv_bytes(self) -> int:
         return self.kv.k.nbytes + self.kv.v.nbytes
 

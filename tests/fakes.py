@@ -27,6 +27,9 @@ class FakeRunner:
         self.warm = True
         return 0.0
 
+    def release(self):
+        self.warm = False
+
     def run(self, batch):
         self.calls += 1
         if self.calls == self.pause_after:

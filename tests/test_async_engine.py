@@ -229,3 +229,56 @@ def test_a_lost_follower_fails_requests_while_the_engine_thread_is_stuck(tokeniz
     finally:
         runners[0].gate.set()
         engine.shutdown()
+
+
+def test_a_reboot_frees_the_dead_engines_device_memory_first(default_gguf):
+    """Weights and KV pages of the dead engine are gone before the next one is built, so
+    live device bytes never hold two engines (at --gpu-memory-utilization 0.9 that would
+    not fit)."""
+    import jax
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    def live_bytes() -> int:
+        return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
+
+    before_build = live_bytes()
+    seen: dict[str, int] = {}
+    engines: list[LLMEngine] = []
+
+    def factory(cfg):
+        if engines:  # the rebuild: what is still alive of the dead engine
+            seen["at_rebuild"] = live_bytes()
+        engines.append(LLMEngine(cfg))
+        return engines[-1]
+
+    cfg = EngineConfig(model=str(default_gguf), dtype="float32", max_model_len=64,
+                       max_num_seqs=2, max_num_batched_tokens=8, num_blocks=64)
+    engine = AsyncEngine(cfg, factory)
+    one_engine = live_bytes() - before_build
+    runner = engines[0].runner
+    assert one_engine >= runner.kv_bytes() + 100 * 2**20  # KV + ~540 MB of float32 weights
+    run = runner.run
+
+    def fail_once(batch):
+        runner.run = run
+        raise RuntimeError("injected fault")
+
+    runner.run = fail_once
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="injected fault"):
+            await collect(engine, [42, 43], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert wait_until(lambda: engine.alive, timeout=300)
+        outs = await collect(engine, [42, 43], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(outs[-1].outputs[0].token_ids) == 4
+
+    try:
+        asyncio.run(main())
+        assert engine.num_restarts == 1
+        assert seen["at_rebuild"] - before_build < 0.1 * one_engine
+        assert live_bytes() - before_build < 1.1 * one_engine
+    finally:
+        engine.shutdown()
