@@ -2,8 +2,7 @@
 
 The server's command line comes here (it never imports models/ or jax itself):
 `parse_model_arg` reads `--model [name=]path`, and `start_engines` sizes each KV cache
-(`model_runner.kv_pages`: the runner owns the device) and loads and warms up one
-AsyncEngine per model.
+(`device.kv_pages`) and loads and warms up one AsyncEngine per model.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from pathlib import Path
 
 from engine.async_engine import AsyncEngine, Engines
 from engine.config import EngineConfig
-from engine.model_runner import kv_pages
+from engine.device import kv_pages
 from models.default_model import SERVED_NAME, default_model_path, fetch_default_model
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import launch, model_runner
+from engine import device, launch
 from engine.config import EngineConfig
 from models.default_model import SERVED_NAME
 
@@ -26,7 +26,7 @@ def test_model_arguments(default_gguf, tmp_path):
 
 def test_kv_pages_from_memory(default_gguf, monkeypatch):
     gib = 2**30
-    monkeypatch.setattr(model_runner, "device_memory_bytes", lambda: 4 * gib)
+    monkeypatch.setattr(device, "device_memory_bytes", lambda: 4 * gib)
     cfg = EngineConfig(model=str(default_gguf), dtype="float32", max_model_len=256,
                        max_num_seqs=4)
     # SmolLM2-135M: 30 layers, 3 KV heads of 64 -> a 16-token float32 page is 2*30*16*3*64*4 B

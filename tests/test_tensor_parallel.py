@@ -13,8 +13,9 @@ import pytest
 from tiny_models import save_tiny_hf
 
 from engine.config import EngineConfig
+from engine.device import kv_pages
 from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner, kv_pages
+from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from models.generate import GreedyDecoder
 from models.loader import load_config, load_model
