@@ -1,4 +1,4 @@
-"""ModelRunner: the engine's one device boundary (with its executable store, the only engine
+"""ModelRunner: the engine's one device boundary (with engine/device.py, the only engine
 modules importing jax).
 
 It owns the parameters, the KV pages (donated into every step so they update in
@@ -27,7 +27,6 @@ from flax import nnx
 from engine import cluster, device
 from engine.batch import StepBatch, empty_batch, sampling_arrays
 from engine.config import EngineConfig
-from engine.executable_store import ExecutableStore, fingerprint
 from models.loader import load_config, load_model, resolve_dtype
 from models.progress import progress_bar
 from models.sharding import kv_cache_sharding, make_mesh, replicated, sharded_config
@@ -92,13 +91,13 @@ class ModelRunner:
         self.dtype = model.embed[...].dtype
         self.graphdef, self.state = nnx.split(model)
         self.kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
-        expected = self._zero_kv(self.model_config, self.dtype, self.mesh, abstract=True)
-        if kv is None or jax.tree.map(lambda a: (a.shape, a.dtype), kv) != expected:
+        if kv is None or (kv.k.shape, kv.k.dtype) != (self._kv_shape(self.model_config),
+                                                      np.dtype(self.dtype)):
             kv = self._zero_kv(self.model_config, self.dtype, self.mesh)
         self.kv = kv
         self._executables: dict[tuple[str, int], object] = {}
-        self.store = None if store_dir is None else ExecutableStore(
-            store_dir, fingerprint(config, self.graphdef, self.state, self.kv),
+        self.store = None if store_dir is None else device.ExecutableStore(
+            store_dir, device.fingerprint(config, self.graphdef, self.state, self.kv),
             jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat)
         self.num_stored_loads = 0  # executables deserialized from the store, not compiled
         logger.info(
@@ -112,13 +111,14 @@ class ModelRunner:
         self.compilations_after_warmup = 0
         self.warm = False
 
-    def _zero_kv(self, cfg, dtype, mesh, abstract: bool = False):
-        """Zeroed KV pages for model config `cfg` (or, `abstract`, their shapes and dtypes)."""
-        shape = (cfg.num_layers, self.config.total_blocks, self.config.block_size,
-                 cfg.num_kv_heads, cfg.head_dim)
-        if abstract:
-            return KVCache((shape, np.dtype(dtype)), (shape, np.dtype(dtype)))
-        return KVCache.zeros(*shape, dtype, None if mesh is None else kv_cache_sharding(mesh))
+    def _kv_shape(self, cfg) -> tuple[int, ...]:
+        return (cfg.num_layers, self.config.total_blocks, self.config.block_size,
+                cfg.num_kv_heads, cfg.head_dim)
+
+    def _zero_kv(self, cfg, dtype, mesh) -> KVCache:
+        """Zeroed KV pages for model config `cfg`, split by KV head under a mesh."""
+        return KVCache.zeros(*self._kv_shape(cfg), dtype,
+                             None if mesh is None else kv_cache_sharding(mesh))
 
     # ---- the compiled step: a body per token bucket, a head per sequence bucket ------------
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -101,23 +102,17 @@ def environment() -> dict:
 
 
 def weight_bytes(preset: str, itemsize: int) -> int:
-    from models.presets import PRESETS
+    from models.llama import param_specs
+    from models.presets import preset_config
 
-    p = PRESETS[preset]
-    e, f, layers = p["hidden_size"], p["intermediate_size"], p["num_hidden_layers"]
-    d = e // p["num_attention_heads"]
-    attn = e * d * (2 * p["num_attention_heads"] + 2 * p["num_key_value_heads"])
-    per_layer = attn + 3 * e * f + 2 * e
-    embed = p["vocab_size"] * e * (1 if p.get("tie_word_embeddings") else 2)
-    return (layers * per_layer + embed + e) * itemsize
+    return itemsize * sum(math.prod(s.shape) for s in param_specs(preset_config(preset)).values())
 
 
 def kv_bytes_per_token(preset: str, itemsize: int) -> int:
-    from models.presets import PRESETS
+    from models.presets import preset_config
 
-    p = PRESETS[preset]
-    d = p["hidden_size"] // p["num_attention_heads"]
-    return 2 * p["num_hidden_layers"] * p["num_key_value_heads"] * d * itemsize
+    cfg = preset_config(preset)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 def engine_bench(name, preset, dtype, batch, out, timeout, smoke) -> dict:
