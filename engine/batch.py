@@ -1,22 +1,86 @@
-"""Batch building: one scheduled step -> numpy arrays padded to a bucket.
+"""The persistent input batch: scheduled steps -> padded numpy inputs in two buffers.
 
-The only shapes the device ever sees come from `EngineConfig.bucket_for`, shared
-with warmup. Padded token rows write their K/V to the reserved page 0; padded
-sequences have no query rows, zero KV length and an all-page-0 table.
+Each running sequence holds a slot (0 .. max_num_seqs - 1) from the step that admits it
+until it finishes or is preempted. What a request fixes (sampling parameters, seed, stop
+ids banned before min_tokens, prompt length) is written into the slot's columns once, at
+admission; a page table row per slot grows as the sequence's blocks do. A step is then a
+few vectorised gathers from those columns plus the new rows' token ids, laid out in two
+buffers (one int32, one float32), so the device gets two transfers a step.
+
+The layouts (`body_layout`, `sampling_layout`) are the one definition of where each input
+sits: `StepBatch` exposes named views into the buffers (tests, fake runners) and the model
+runner unpacks the same offsets inside the compiled step.
+
+Steps may overlap (engine/scheduler.py): a decode row whose token is still PENDING on the
+device names its slot in `token_slot`, and the device takes that slot's last sampled token.
+Repetition, frequency and presence penalties count tokens on the device per slot: a slot
+admitted for a request with penalties is reset there from its prompt and output so far
+(`StepBatch.resets`), and each sampled token bumps its slot's counts. Nothing
+`[S, max_model_len]`-sized travels per step.
+
+The only shapes the device sees come from `EngineConfig.bucket_for`, shared with warmup.
+Padded token rows write their K/V to the reserved page 0; padded sequences have no query
+rows, zero KV length and an all-page-0 table; padded sampling rows (and rows that sample
+nothing this step) use the spare slot `max_num_seqs`, whose columns are neutral.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
 from engine.config import EngineConfig
 from engine.scheduler import SchedulerOutput
+from engine.sequence import PENDING, Sequence, SequenceStatus
 
 # Ids a row can be kept from picking (EOS + stop token ids before min_tokens); equals
 # ops.sampling.MAX_BANNED, which this bookkeeping module may not import.
 MAX_BANNED = 16
+
+FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
+NEUTRAL = {"top_p": 1.0, "repetition_penalty": 1.0}  # other columns: 0 = off
+# int32 sampling rows: name -> how many rows of the buffer it takes ([S] or [S, k] columns)
+INT_COLUMNS = {"top_k": 1, "steps": 1, "num_top_logprobs": 1, "slots": 1, "seeds": 2,
+               "banned_tokens": MAX_BANNED}
+
+
+def body_layout(config: EngineConfig, num_tokens: int) -> dict[str, tuple[int, tuple]]:
+    """Where each model-body input sits in the step's int32 buffer: name -> (offset, shape)."""
+    t, sb = num_tokens, config.body_seqs(num_tokens)
+    shapes = {"tokens": (t,), "token_slot": (t,), "positions": (t,), "token_seq": (t,),
+              "slot_mapping": (t,), "query_start_loc": (sb + 1,), "kv_lens": (sb,),
+              "page_tables": (sb, config.max_blocks_per_seq),
+              "logits_indices": (config.max_num_seqs,)}
+    out, offset = {}, 0
+    for name, shape in shapes.items():
+        out[name] = (offset, shape)
+        offset += int(np.prod(shape))
+    return out
+
+
+def body_tokens(config: EngineConfig, size: int) -> int:
+    """The token bucket whose body buffer has `size` entries."""
+    for t in config.token_buckets:
+        if _size(body_layout(config, t)) == size:
+            return t
+    raise ValueError(f"no token bucket has a body buffer of {size} entries")
+
+
+def sampling_layout() -> dict[str, tuple[int, int]]:
+    """Rows of the [k, S] int32 sampling buffer: name -> (first row, rows). Float columns are
+    the rows of a [len(FLOAT_COLUMNS), S] float32 buffer in FLOAT_COLUMNS order."""
+    out, row = {}, 0
+    for name, rows in INT_COLUMNS.items():
+        out[name] = (row, rows)
+        row += rows
+    return out
+
+
+def _size(layout: dict[str, tuple[int, tuple]]) -> int:
+    return max(off + int(np.prod(shape)) for off, shape in layout.values())
 
 
 @dataclasses.dataclass
@@ -26,104 +90,171 @@ class StepBatch:
 
     bucket: tuple[int, int]        # (tokens T, sequences S)
     num_seqs: int                  # real sequences (rows past it are padding)
-    # model body inputs
-    tokens: np.ndarray             # [T] int32
-    positions: np.ndarray          # [T] int32
-    token_seq: np.ndarray          # [T] int32: each row's sequence, -1 for padding
-    slot_mapping: np.ndarray       # [T] int32
-    query_start_loc: np.ndarray    # [Sb + 1] int32
-    kv_lens: np.ndarray            # [Sb] int32
-    page_tables: np.ndarray        # [Sb, max_blocks_per_seq] int32
-    logits_indices: np.ndarray     # [max_num_seqs] int32: each sequence's last row in this step
-    # sampling, one row per sequence: [S, ...]
-    sampling: dict[str, np.ndarray]
+    body: np.ndarray               # int32 buffer, laid out by body_layout
+    sampling_ints: np.ndarray      # [sum(INT_COLUMNS.values()), S] int32
+    sampling_floats: np.ndarray    # [len(FLOAT_COLUMNS), S] float32
+    # (slot, prompt ids, output ids) of slots whose penalty counts start afresh this step
+    resets: list[tuple[int, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+    views: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
+
+    def __getattr__(self, name: str) -> np.ndarray:  # named views: batch.tokens, ...
+        views = self.__dict__.get("views", {})
+        if name in views:
+            return views[name]
+        raise AttributeError(name)
 
     @property
-    def body_inputs(self) -> dict[str, np.ndarray]:
-        return {name: getattr(self, name) for name in (
-            "tokens", "positions", "token_seq", "slot_mapping", "query_start_loc", "kv_lens",
-            "page_tables", "logits_indices")}
+    def sampling(self) -> dict[str, np.ndarray]:
+        """The sampling rows by name: [S] columns, seeds [S, 2] uint32, banned [S, B]."""
+        out = {name: self.sampling_floats[i] for i, name in enumerate(FLOAT_COLUMNS)}
+        for name, (row, rows) in sampling_layout().items():
+            block = self.sampling_ints[row:row + rows]
+            out[name] = block[0] if rows == 1 else block.T
+        out["seeds"] = out["seeds"].view(np.uint32)
+        return out
 
-
-def sampling_arrays(num_seqs: int, width: int) -> dict[str, np.ndarray]:
-    """Neutral sampling rows (greedy, no penalties) for padding and warmup."""
-    return {
-        "temperature": np.zeros(num_seqs, np.float32),
-        "top_k": np.zeros(num_seqs, np.int32),
-        "top_p": np.ones(num_seqs, np.float32),
-        "min_p": np.zeros(num_seqs, np.float32),
-        "presence_penalty": np.zeros(num_seqs, np.float32),
-        "frequency_penalty": np.zeros(num_seqs, np.float32),
-        "repetition_penalty": np.ones(num_seqs, np.float32),
-        "seeds": np.zeros((num_seqs, 2), np.uint32),
-        "steps": np.zeros(num_seqs, np.int32),
-        "output_tokens": np.full((num_seqs, width), -1, np.int32),
-        "prompt_tokens": np.full((num_seqs, width), -1, np.int32),
-        "num_top_logprobs": np.zeros(num_seqs, np.int32),
-        "banned_tokens": np.full((num_seqs, MAX_BANNED), -1, np.int32),
-    }
+    def host_tokens(self, last_tokens: np.ndarray) -> np.ndarray:
+        """The token rows with PENDING ones taken from `last_tokens[slot]` (what a device keeps:
+        for runners that compute on the host)."""
+        return np.where(self.token_slot >= 0, last_tokens[self.token_slot], self.tokens)
 
 
 def empty_batch(config: EngineConfig, bucket: tuple[int, int]) -> StepBatch:
     """An all-padding batch of a bucket's shape (warmup runs these)."""
     t, s = bucket
-    sb = config.body_seqs(t)
-    return StepBatch(
-        bucket=bucket, num_seqs=0,
-        tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
-        token_seq=np.full(t, -1, np.int32),
-        slot_mapping=np.zeros(t, np.int32), query_start_loc=np.zeros(sb + 1, np.int32),
-        kv_lens=np.zeros(sb, np.int32),
-        page_tables=np.zeros((sb, config.max_blocks_per_seq), np.int32),
-        logits_indices=np.zeros(config.max_num_seqs, np.int32),
-        sampling=sampling_arrays(s, config.max_model_len),
-    )
+    layout = body_layout(config, t)
+    body = np.zeros(_size(layout), np.int32)
+    views = {name: body[off:off + int(np.prod(shape))].reshape(shape)
+             for name, (off, shape) in layout.items()}
+    views["token_seq"][:] = -1
+    views["token_slot"][:] = -1
+    ints = np.zeros((sum(INT_COLUMNS.values()), s), np.int32)
+    layout_s = sampling_layout()
+    r, k = layout_s["banned_tokens"]
+    ints[r:r + k] = -1
+    ints[layout_s["slots"][0]] = config.max_num_seqs  # the spare, neutral slot
+    floats = np.zeros((len(FLOAT_COLUMNS), s), np.float32)
+    for i, name in enumerate(FLOAT_COLUMNS):
+        floats[i] = NEUTRAL.get(name, 0.0)
+    return StepBatch(bucket=bucket, num_seqs=0, body=body, sampling_ints=ints,
+                     sampling_floats=floats, views=views)
 
 
-def build_batch(config: EngineConfig, out: SchedulerOutput, seeds: dict[int, int],
-                eos_token_ids: frozenset[int] = frozenset()) -> StepBatch:
-    """`seeds` maps seq_id -> the 64-bit seed of its sampling stream."""
-    entries = out.scheduled
-    batch = empty_batch(config, config.bucket_for(out.num_tokens, len(entries)))
-    batch.num_seqs = len(entries)
-    bs = config.block_size
-    row = 0
-    for i, e in enumerate(entries):
-        seq, n = e.seq, e.num_new_tokens
-        pos = np.arange(e.start, e.start + n, dtype=np.int32)
-        table = np.asarray(seq.block_table, np.int32)
-        batch.tokens[row:row + n] = seq.token_ids[e.start:e.start + n]
-        batch.positions[row:row + n] = pos
-        batch.token_seq[row:row + n] = i
-        batch.slot_mapping[row:row + n] = table[pos // bs] * bs + pos % bs
-        batch.page_tables[i, :len(table)] = table
-        batch.kv_lens[i] = e.start + n
-        row += n
-        batch.query_start_loc[i + 1] = row
-        batch.logits_indices[i] = row - 1
-        _fill_sampling(batch.sampling, i, seq, seeds.get(seq.seq_id, 0), eos_token_ids)
-    batch.query_start_loc[len(entries) + 1:] = row
-    return batch
+class InputBatch:
+    """Slots of the running sequences and their columns (see the module docstring)."""
 
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset()):
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        n = config.max_num_seqs
+        self.spare = n  # padding rows and rows that sample nothing this step
+        self.seqs: dict[int, tuple[int, Sequence]] = {}  # seq_id -> (slot, sequence)
+        self._free = list(range(n - 1, -1, -1))  # pop() hands out the lowest slot first
+        self.floats = np.zeros((len(FLOAT_COLUMNS), n + 1), np.float32)
+        for i, name in enumerate(FLOAT_COLUMNS):
+            self.floats[i] = NEUTRAL.get(name, 0.0)
+        self.top_k = np.zeros(n + 1, np.int32)
+        self.num_top_logprobs = np.zeros(n + 1, np.int32)
+        self.seeds = np.zeros((n + 1, 2), np.uint32)
+        self.banned = np.full((n + 1, MAX_BANNED), -1, np.int32)
+        self.min_tokens = np.zeros(n + 1, np.int32)
+        self.prompt_lens = np.zeros(n + 1, np.int32)
+        self.page_tables = np.zeros((n + 1, config.max_blocks_per_seq), np.int32)
+        self.num_blocks = np.zeros(n + 1, np.int32)  # filled entries of each page table row
 
-def _fill_sampling(arrays: dict[str, np.ndarray], i: int, seq, seed: int,
-                   eos_token_ids: frozenset[int]) -> None:
-    p = seq.params
-    if seq.num_output_tokens < p.min_tokens:  # EOS and stop tokens may not end it yet
-        banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids))
-        banned = banned[:MAX_BANNED]
-        arrays["banned_tokens"][i, :len(banned)] = banned
-    arrays["temperature"][i] = p.temperature
-    arrays["top_k"][i] = p.top_k
-    arrays["top_p"][i] = p.top_p
-    arrays["min_p"][i] = p.min_p
-    arrays["presence_penalty"][i] = p.presence_penalty
-    arrays["frequency_penalty"][i] = p.frequency_penalty
-    arrays["repetition_penalty"][i] = p.repetition_penalty
-    arrays["seeds"][i] = (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
-    arrays["steps"][i] = seq.num_output_tokens
-    arrays["num_top_logprobs"][i] = p.logprobs or 0
-    if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-        out = seq.output_token_ids
-        arrays["output_tokens"][i, :len(out)] = out
-        arrays["prompt_tokens"][i, :seq.num_prompt_tokens] = seq.token_ids[:seq.num_prompt_tokens]
+    # ---- slots ------------------------------------------------------------------------
+
+    def _release_departed(self) -> None:
+        """Free the slots of sequences that finished or were preempted since the last step."""
+        for seq_id, (slot, seq) in list(self.seqs.items()):
+            if seq.status is not SequenceStatus.RUNNING:
+                del self.seqs[seq_id]
+                self.page_tables[slot, :self.num_blocks[slot]] = 0
+                self.num_blocks[slot] = 0
+                self._free.append(slot)
+
+    def _admit(self, seq: Sequence, seed: int,
+               resets: list[tuple[int, np.ndarray, np.ndarray]]) -> int:
+        slot = self._free.pop()
+        self.seqs[seq.seq_id] = (slot, seq)
+        p = seq.params
+        for i, name in enumerate(FLOAT_COLUMNS):
+            self.floats[i, slot] = getattr(p, name)
+        self.top_k[slot] = p.top_k
+        self.num_top_logprobs[slot] = p.logprobs or 0
+        self.seeds[slot] = (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+        banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+        banned = banned[:MAX_BANNED] if p.min_tokens else []
+        self.banned[slot] = -1
+        self.banned[slot, :len(banned)] = banned
+        self.min_tokens[slot] = p.min_tokens
+        self.prompt_lens[slot] = seq.num_prompt_tokens
+        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            resets.append((slot, np.asarray(seq.token_ids[:seq.num_prompt_tokens], np.int32),
+                           np.asarray(seq.output_token_ids, np.int32)))
+        return slot
+
+    # ---- one step ---------------------------------------------------------------------
+
+    def build(self, out: SchedulerOutput, seeds: dict[int, int]) -> StepBatch:
+        """The inputs of a booked step (scheduler.schedule has run); `seeds` maps seq_id ->
+        the 64-bit seed of its sampling stream."""
+        self._release_departed()
+        cfg, entries = self.config, out.scheduled
+        num_seqs, num_tokens = len(entries), out.num_tokens
+        batch = empty_batch(cfg, cfg.bucket_for(num_tokens, num_seqs))
+        batch.num_seqs = num_seqs
+        if not entries:
+            return batch
+        v = batch.views
+        slots = np.empty(num_seqs, np.int32)
+        for i, e in enumerate(entries):
+            seq = e.seq
+            held = self.seqs.get(seq.seq_id)
+            slot = held[0] if held else self._admit(seq, seeds.get(seq.seq_id, 0), batch.resets)
+            slots[i] = slot
+            table, have = seq.block_table, self.num_blocks[slot]
+            if len(table) != have:  # tables only grow while a sequence holds its slot
+                self.page_tables[slot, have:len(table)] = table[have:]
+                self.num_blocks[slot] = len(table)
+        n_new = np.fromiter((e.num_new_tokens for e in entries), np.int32, num_seqs)
+        starts = np.fromiter((e.start for e in entries), np.int32, num_seqs)
+        samples = np.fromiter((e.samples for e in entries), bool, num_seqs)
+        ends = np.cumsum(n_new, dtype=np.int32)
+
+        # token rows
+        rows = np.arange(num_tokens, dtype=np.int32)
+        seq_of_row = np.repeat(np.arange(num_seqs, dtype=np.int32), n_new)
+        positions = starts[seq_of_row] + rows - (ends - n_new)[seq_of_row]
+        tokens = np.fromiter(itertools.chain.from_iterable(
+            e.seq.token_ids[e.start:e.end] for e in entries), np.int32, num_tokens)
+        pending = tokens == PENDING
+        row_slots = slots[seq_of_row]
+        bs = cfg.block_size
+        v["tokens"][:num_tokens] = np.where(pending, 0, tokens)
+        v["token_slot"][:num_tokens] = np.where(pending, row_slots, -1)
+        v["positions"][:num_tokens] = positions
+        v["token_seq"][:num_tokens] = seq_of_row
+        v["slot_mapping"][:num_tokens] = (self.page_tables[row_slots, positions // bs] * bs
+                                          + positions % bs)
+        # attention metadata of the body's sequences
+        v["query_start_loc"][1:num_seqs + 1] = ends
+        v["query_start_loc"][num_seqs + 1:] = num_tokens
+        v["kv_lens"][:num_seqs] = starts + n_new
+        v["page_tables"][:num_seqs] = self.page_tables[slots]
+        v["logits_indices"][:num_seqs] = ends - 1
+
+        # sampling rows: from the slots' columns; rows that sample nothing use the spare slot
+        rs = np.where(samples, slots, self.spare)
+        steps = starts + n_new - self.prompt_lens[rs]  # index of the token drawn this step
+        ints, layout = batch.sampling_ints, sampling_layout()
+        batch.sampling_floats[:, :num_seqs] = self.floats[:, rs]
+        for name, col in (("top_k", self.top_k[rs]), ("steps", np.where(samples, steps, 0)),
+                          ("num_top_logprobs", self.num_top_logprobs[rs]), ("slots", rs)):
+            ints[layout[name][0], :num_seqs] = col
+        r = layout["seeds"][0]
+        ints[r:r + 2, :num_seqs] = self.seeds[rs].view(np.int32).T
+        r = layout["banned_tokens"][0]
+        early = (steps < self.min_tokens[rs])[:, None]
+        ints[r:r + MAX_BANNED, :num_seqs] = np.where(early, self.banned[rs], -1).T
+        return batch

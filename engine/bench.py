@@ -14,13 +14,16 @@ the LM head per sampled token; attention FLOPs not counted) over the matmul rate
 `--simulate-device-ms X` measures the host path alone: the real scheduler, batch building,
 postprocessing and detokenizer (of the default model's tokenizer) run against a runner whose
 step takes X ms of wall time without holding the GIL or a core (a sleep), as a fast
-accelerator would. It reports `host_ms_per_step` (wall time per step not spent in the
-simulated device) and `device_busy_fraction` (how much of the run the device was busy).
+accelerator would. It reports `host_ms_per_step` (the engine thread's wall time per step
+not spent waiting for the device), `device_idle_ms_per_step` and `device_busy_fraction`
+(how much of the run the device was busy); with overlapped steps (the default) the host
+work hides behind the device's.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import platform
@@ -99,7 +102,8 @@ def build_engine(args) -> LLMEngine:
                   max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, attention_backend=args.attention_backend,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  async_scheduling=args.async_scheduling)
     if args.random_weights:
         from models.loader import resolve_dtype
         from models.presets import preset_config
@@ -121,8 +125,9 @@ def build_engine(args) -> LLMEngine:
 
 class SimulatedRunner:
     """A device that takes `step_ms` per step and computes nothing: each row's next token is a
-    fixed function of its last one (never a special token). It sleeps, so the host thread
-    keeps its core and the GIL is free, as while an accelerator runs."""
+    fixed function of its last one (never a special token). Steps run in order on a thread
+    of their own that sleeps, so the host thread keeps its core and the GIL, as while an
+    accelerator runs; `submit` returns at once."""
 
     def __init__(self, config: EngineConfig, step_ms: float, vocab_size: int,
                  special: frozenset[int]):
@@ -132,6 +137,8 @@ class SimulatedRunner:
         ok = np.array([t for t in range(min(vocab_size, 32000)) if t not in special], np.int32)
         self._next = np.full(max(vocab_size, 32000), ok[0], np.int32)
         self._next[ok] = np.roll(ok, -7)  # a permutation of the ordinary ids
+        self._last = np.zeros(config.max_num_seqs + 1, np.int32)  # per slot, as on a device
+        self._device = concurrent.futures.ThreadPoolExecutor(1, "simulated-device")
 
     def warmup(self) -> float:
         self.warm = True
@@ -140,10 +147,17 @@ class SimulatedRunner:
     def release(self) -> None:
         self.warm = False
 
+    def submit(self, batch):
+        return self._device.submit(self._step, batch)
+
     def run(self, batch) -> StepResult:
+        return self.submit(batch).result()
+
+    def _step(self, batch) -> StepResult:
         start = time.perf_counter()
         n = batch.num_seqs
-        ids = self._next[batch.tokens[batch.logits_indices[:n]]]
+        ids = self._next[batch.host_tokens(self._last)[batch.logits_indices[:n]]]
+        self._last[batch.sampling["slots"][:n]] = ids
         time.sleep(max(0.0, self.step_s - (time.perf_counter() - start)))
         self.num_steps += 1
         self.busy_s += time.perf_counter() - start
@@ -161,7 +175,7 @@ def simulate(args) -> dict:
     cfg = EngineConfig(model=path, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       block_size=args.block_size)
+                       block_size=args.block_size, async_scheduling=args.async_scheduling)
     runner = SimulatedRunner(cfg, args.simulate_device_ms, tokenizer.vocab_size,
                              tokenizer.special_token_ids | tokenizer.eos_token_ids)
     engine = LLMEngine(cfg, runner=runner, tokenizer=tokenizer, detokenize=True)
@@ -173,8 +187,10 @@ def simulate(args) -> dict:
             "simulate_device_ms": args.simulate_device_ms, "completed": len(done),
             "duration_s": duration, "num_steps": runner.num_steps,
             "total_output_tokens": out_tokens, "output_throughput": out_tokens / duration,
-            "host_ms_per_step": (duration - runner.busy_s) / runner.num_steps * 1e3,
+            "host_ms_per_step": (duration - engine.wait_s) / runner.num_steps * 1e3,
+            "device_idle_ms_per_step": (duration - runner.busy_s) / runner.num_steps * 1e3,
             "device_busy_fraction": runner.busy_s / duration,
+            "async_scheduling": engine.async_scheduling,
             **_stats("tpot", [(t.end - t.first) / (t.output_len - 1) for t in done
                               if t.output_len > 1]),
             "num_preemptions": engine.scheduler.num_preemptions, "args": vars(args)}
@@ -267,6 +283,7 @@ def summarize(engine: LLMEngine, timings, duration: float, ceilings: dict) -> di
         "achieved_dense_flops_per_s": achieved,
         "ceiling_fraction": achieved / ceilings["matmul_flops_per_s"],
         "compilations_after_warmup": engine.runner.compilations_after_warmup,
+        "async_scheduling": engine.async_scheduling,
         "num_preemptions": engine.scheduler.num_preemptions,
     }
     return res
@@ -303,6 +320,9 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=defaults.block_size)
     p.add_argument("--attention-backend", default=defaults.attention_backend, choices=BACKENDS)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap each step with the host work of the one before (default: on "
+                        "for GPU/TPU and the simulated device, off on CPU)")
     p.add_argument("--simulate-device-ms", type=float, default=None,
                    help="measure the host path alone against a simulated device whose step "
                         "takes this long (no model runs)")

@@ -144,7 +144,8 @@ class BlockManager:
                                                len(seq.block_table) * self.block_size):
             raise ValueError(f"sequence {seq.seq_id}: {num_computed_tokens} computed tokens, but "
                              f"it has {seq.num_tokens} tokens in {len(seq.block_table)} blocks")
-        seq.num_computed_tokens = num_computed_tokens
+        # The scheduler books progress when it schedules (steps overlap); never move it back.
+        seq.num_computed_tokens = max(seq.num_computed_tokens, num_computed_tokens)
         if not self.enable_prefix_caching:
             return
         table = seq.block_table

@@ -30,6 +30,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1       # devices the model is split over (heads, MLP, vocab)
     max_waiting_requests: int = 1024
     seed: int = 0                       # seeds of requests that bring none are drawn from this
+    # Dispatch step n+1 before reading step n's tokens. None: the runner's choice (on for
+    # accelerators; off on CPU, where host and step share the cores: 13% slower there).
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
@@ -73,9 +76,10 @@ class EngineConfig:
         return min(num_tokens, self.max_num_seqs)
 
     def buckets(self) -> list[tuple[str, int]]:
-        """Every executable warmup compiles: ("tokens", T) bodies and ("seqs", S) heads."""
+        """Every executable warmup compiles: ("tokens", T) bodies, ("seqs", S) heads, and the
+        one that resets a slot's penalty counts when a request with penalties takes it."""
         return ([("tokens", t) for t in self.token_buckets]
-                + [("seqs", s) for s in self.seq_buckets])
+                + [("seqs", s) for s in self.seq_buckets] + [("penalties", 1)])
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """The (tokens T, sequences S) bucket of a step; warmup and runtime both come here."""

@@ -143,7 +143,8 @@ _ROOT = Path(__file__).resolve().parents[1]
 MAX_CONFIGURATIONS = 32  # fingerprint directories kept; the least recently used go first
 
 # EngineConfig fields that cannot change a compiled step (names, served limits, seeds).
-_IRRELEVANT = {"model", "name", "max_waiting_requests", "seed", "enable_prefix_caching"}
+_IRRELEVANT = {"model", "name", "max_waiting_requests", "seed", "enable_prefix_caching",
+               "async_scheduling"}
 
 
 def _code_digest() -> str:

@@ -1,7 +1,13 @@
 """LLMEngine: the synchronous engine for one model (scripts, tests, the engine thread).
 
-`add_request` tokenizes and admits; `step` runs one scheduled batch through the
-model runner and returns the outputs that changed; `generate` loops until done.
+`add_request` tokenizes and admits; `step` schedules and dispatches one batch and returns
+the outputs that changed; `generate` loops until done.
+
+With `async_scheduling` (the default on accelerators) steps overlap: `step` dispatches step
+n+1 first and only then waits for step n's tokens and hands out its outputs, so the device
+never waits for the host's bookkeeping (the scheduler books progress at dispatch; see
+engine/scheduler.py). Outputs are the same either way. On CPU the host's work would take a
+core from the step itself, so there it is off unless asked for.
 """
 
 from __future__ import annotations
@@ -9,15 +15,16 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import random
+import time
 from collections.abc import Sequence as Seq
 
-from engine.batch import build_batch
+from engine.batch import InputBatch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, TextState, TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestRejected, Scheduler
+from engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from models.tokenizer import Tokenizer
 
@@ -48,6 +55,11 @@ class LLMEngine:
         self.block_manager = BlockManager(config.total_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.tokenizer.eos_token_ids)
+        self.input_batch = InputBatch(config, self.tokenizer.eos_token_ids)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else getattr(self.runner, "overlaps_by_default", True))
+        self._in_flight = None  # (SchedulerOutput, pending step) dispatched, not yet read
+        self.wait_s = 0.0  # time spent waiting for the device's results (benchmarks)
         model_cfg = getattr(self.runner, "model_config", None)  # fake runners in tests have none
         self.vocab_size: int | None = (model_cfg.vocab_size if model_cfg is not None
                                        else getattr(self.tokenizer, "vocab_size", None))
@@ -105,26 +117,42 @@ class LLMEngine:
         return self._output(req, list(range(len(req.seqs))))
 
     def has_unfinished(self) -> bool:
+        # A step still in flight only matters while its sequences are unfinished, and those
+        # are the scheduler's (the next `step` reads it either way).
         return self.scheduler.has_unfinished()
 
     # ---- one step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and dispatch the next step; return the outputs of the step read back now
+        (the one dispatched before this one when steps overlap, else this one)."""
         out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
-        for entry in out.scheduled:
-            if entry.seq.seq_id in self._by_seq:
-                req = self._by_seq[entry.seq.seq_id][0]
-                req.num_cached_tokens = max(req.num_cached_tokens, entry.seq.num_cached_tokens)
-        result = self.runner.run(build_batch(self.config, out, self._seeds,
-                                             self.tokenizer.eos_token_ids))
+        launched = None
+        if out.scheduled:
+            for entry in out.scheduled:
+                if entry.seq.seq_id in self._by_seq:
+                    req = self._by_seq[entry.seq.seq_id][0]
+                    req.num_cached_tokens = max(req.num_cached_tokens,
+                                                entry.seq.num_cached_tokens)
+            launched = out, self.runner.submit(self.input_batch.build(out, self._seeds))
+        if not self.async_scheduling:
+            return [] if launched is None else self._read(*launched)
+        previous, self._in_flight = self._in_flight, launched
+        return [] if previous is None else self._read(*previous)
+
+    def _read(self, out: SchedulerOutput, pending) -> list[RequestOutput]:
+        """Wait for a dispatched step, record its tokens and build the outputs that changed."""
+        waited = time.perf_counter()
+        result = pending.result()
+        self.wait_s += time.perf_counter() - waited
+        ended = {e.seq.seq_id for e in out.scheduled if e.seq.is_finished}  # while it ran
         sampled = [int(result.token_ids[i]) if e.samples else None
                    for i, e in enumerate(out.scheduled)]
         self.scheduler.postprocess(out, sampled)
         touched: dict[str, list[int]] = {}
         for i, (entry, token) in enumerate(zip(out.scheduled, sampled, strict=True)):
-            if token is None or entry.seq.seq_id not in self._by_seq:
+            if (token is None or entry.seq.seq_id in ended
+                    or entry.seq.seq_id not in self._by_seq):
                 continue
             req, index = self._by_seq[entry.seq.seq_id]
             text = req.texts[index]

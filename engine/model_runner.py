@@ -4,11 +4,14 @@ modules importing jax).
 It owns the parameters, the KV pages (donated into every step so they update in
 place) and the table of compiled executables, all built at warmup: the model body once
 per token bucket, the LM head + sampler once per sequence bucket (what each costs follows
-what varies in it). `run(batch)` feeds a padded `StepBatch` to its body and head (the hidden
-states stay on the device between them) and brings back only the sampled token ids and
-their logprobs. What concerns the process rather than one runner (the executable store's
-place, multi-process start, sizing the KV cache from device memory before a runner is
-built) lives in engine/device.py.
+what varies in it). `submit(batch)` dispatches a padded `StepBatch` to its body and head (the
+hidden states stay on the device between them) and returns at once; the step's `result()`
+brings back only the sampled token ids and their logprobs. Besides the KV pages, the
+runner keeps per-slot state on the device (engine/batch.py's slots): each slot's last
+sampled token, which the next step reads where the host has not learnt it yet (steps
+overlap), and the penalty tables (output token counts, prompt ids). What concerns the
+process rather than one runner (the executable store's place, multi-process start, sizing
+the KV cache from device memory before a runner is built) lives in engine/device.py.
 """
 
 from __future__ import annotations
@@ -21,17 +24,25 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from engine import cluster, device
-from engine.batch import StepBatch, empty_batch, sampling_arrays
+from engine.batch import (
+    FLOAT_COLUMNS,
+    StepBatch,
+    body_layout,
+    body_tokens,
+    empty_batch,
+    sampling_layout,
+)
 from engine.config import EngineConfig
 from models.loader import load_config, load_model, resolve_dtype
 from models.progress import progress_bar
 from models.sharding import kv_cache_sharding, make_mesh, replicated, sharded_config
 from ops.attention import AttentionMetadata, KVCache
-from ops.sampling import SamplingMetadata, sample
+from ops.sampling import SamplingMetadata, count_sampled, reset_slot, sample
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +68,18 @@ class StepResult:
     logprobs: np.ndarray      # [num_seqs] float32, raw logprob of each sampled token
     top_ids: np.ndarray       # [num_seqs, 20] int32
     top_logprobs: np.ndarray  # [num_seqs, 20] float32
+
+
+class PendingStep:
+    """A dispatched step; `result()` waits for it and brings its sampled tokens to the host."""
+
+    def __init__(self, outputs, num_seqs: int):
+        self._outputs, self._num_seqs = outputs, num_seqs
+
+    def result(self) -> StepResult:
+        ids, logprobs, top_ids, top_logprobs = jax.device_get(self._outputs)
+        n = self._num_seqs
+        return StepResult(ids[:n], logprobs[:n], top_ids[:n], top_logprobs[:n])
 
 
 class BucketMiss(RuntimeError):
@@ -95,6 +118,7 @@ class ModelRunner:
                                                       np.dtype(self.dtype)):
             kv = self._zero_kv(self.model_config, self.dtype, self.mesh)
         self.kv = kv
+        self.slot_state = self._zero_slot_state()
         self._executables: dict[tuple[str, int], object] = {}
         self.store = None if store_dir is None else device.ExecutableStore(
             store_dir, device.fingerprint(config, self.graphdef, self.state, self.kv),
@@ -110,10 +134,22 @@ class ModelRunner:
             self.kv_bytes() / 2**30, list(config.token_buckets), list(config.seq_buckets))
         self.compilations_after_warmup = 0
         self.warm = False
+        # Overlapped steps pay off where the step runs beside the host, not on its cores:
+        # 64 x 128/128 on the 2-core CPU ran 13% slower with them (docs/performance.md).
+        platform = (jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]).platform
+        self.overlaps_by_default = platform != "cpu"
 
     def _kv_shape(self, cfg) -> tuple[int, ...]:
         return (cfg.num_layers, self.config.total_blocks, self.config.block_size,
                 cfg.num_kv_heads, cfg.head_dim)
+
+    def _zero_slot_state(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Per slot (max_num_seqs + the spare): output token counts [N, V] i32, prompt ids
+        [N, V] bool, last sampled token [N] i32."""
+        n, vocab = self.config.max_num_seqs + 1, self.model_config.vocab_size
+        state = (jnp.zeros((n, vocab), jnp.int32), jnp.zeros((n, vocab), bool),
+                 jnp.zeros((n,), jnp.int32))
+        return state if self.mesh is None else jax.device_put(state, replicated(self.mesh))
 
     def _zero_kv(self, cfg, dtype, mesh) -> KVCache:
         """Zeroed KV pages for model config `cfg`, split by KV head under a mesh."""
@@ -122,20 +158,36 @@ class ModelRunner:
 
     # ---- the compiled step: a body per token bucket, a head per sequence bucket ------------
 
-    def _body(self, state, kv, inputs):
+    def _body(self, state, kv, last_tokens, buffer):
+        layout = body_layout(self.config, body_tokens(self.config, buffer.shape[0]))
+        inputs = {name: buffer[off:off + int(np.prod(shape))].reshape(shape)
+                  for name, (off, shape) in layout.items()}
+        slot = inputs["token_slot"]  # rows whose token is still on the device (overlap)
+        tokens = jnp.where(slot >= 0, last_tokens[jnp.maximum(slot, 0)], inputs["tokens"])
         model = nnx.merge(self.graphdef, state)
         md = AttentionMetadata(
             slot_mapping=inputs["slot_mapping"], query_start_loc=inputs["query_start_loc"],
             kv_lens=inputs["kv_lens"], page_tables=inputs["page_tables"],
             positions=inputs["positions"], token_seq=inputs["token_seq"])
-        return model.hidden_states(inputs["tokens"], inputs["positions"], kv, md,
+        return model.hidden_states(tokens, inputs["positions"], kv, md,
                                    inputs["logits_indices"])  # [max_num_seqs, E], kv
 
-    def _head(self, state, hidden, sampling):
+    def _head(self, state, hidden, output_counts, prompt_mask, last_tokens, ints, floats):
         model = nnx.merge(self.graphdef, state)
-        num_seqs = sampling["temperature"].shape[0]
-        out = sample(model.logits(hidden[:num_seqs]), SamplingMetadata(**sampling))
-        return out.token_ids, out.logprobs, out.top_ids, out.top_logprobs
+        num_seqs = ints.shape[1]
+        columns = {name: floats[i] for i, name in enumerate(FLOAT_COLUMNS)}
+        for name, (row, rows) in sampling_layout().items():
+            columns[name] = ints[row] if rows == 1 else ints[row:row + rows].T
+        columns["seeds"] = jax.lax.bitcast_convert_type(columns["seeds"], jnp.uint32)
+        md = SamplingMetadata(**columns, output_counts=output_counts, prompt_mask=prompt_mask)
+        out = sample(model.logits(hidden[:num_seqs]), md)
+        output_counts = count_sampled(output_counts, md.slots, out.token_ids)
+        last_tokens = last_tokens.at[md.slots].set(out.token_ids)
+        return ((out.token_ids, out.logprobs, out.top_ids, out.top_logprobs),
+                output_counts, last_tokens)
+
+    def _reset(self, output_counts, prompt_mask, slot, prompt, output):
+        return reset_slot(output_counts, prompt_mask, slot, prompt, output)
 
     def compile_bucket(self, bucket: tuple[str, int]):
         """One executable of the table, ("tokens", T) or ("seqs", S): loaded from the store
@@ -154,26 +206,33 @@ class ModelRunner:
     def _compile(self, bucket: tuple[str, int]):
         kind, size = bucket
         cfg = self.config
+        counts, mask, last = self.slot_state
         if kind == "tokens":
             fn, donate = self._body, (1,)
-            device_args, host_args = (self.state, self.kv), (empty_batch(cfg, (size, 1))
-                                                             .body_inputs,)
+            device_args = (self.state, self.kv, last)
+            host_args = (empty_batch(cfg, (size, 1)).body,)
         elif kind == "seqs":
             hidden = np.zeros((cfg.max_num_seqs, self.model_config.hidden_size), self.dtype)
-            fn, donate = self._head, ()
+            fn, donate = self._head, (2, 4)
             device_args = (self.state,)
-            host_args = (hidden, sampling_arrays(size, cfg.max_model_len))
+            batch = empty_batch(cfg, (1, size))
+            host_args = (hidden, counts, mask, last, batch.sampling_ints, batch.sampling_floats)
+        elif kind == "penalties":
+            fn, donate = self._reset, (0, 1)
+            device_args = (counts, mask)
+            row = np.zeros(cfg.max_model_len, np.int32)
+            host_args = (np.int32(0), row, row)
         else:
             raise ValueError(f"unknown bucket kind {kind!r}")
         if self.mesh is None:
             step = jax.jit(fn, donate_argnums=donate)
-            abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+            abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype)
         else:  # host inputs and outputs replicated; pages stay split by KV head
             everywhere = replicated(self.mesh)
-            outs = ((everywhere, KVCache(self.kv_sharding, self.kv_sharding))
-                    if kind == "tokens" else everywhere)
+            outs = {"tokens": (everywhere, KVCache(self.kv_sharding, self.kv_sharding)),
+                    "seqs": everywhere, "penalties": everywhere}[kind]
             step = jax.jit(fn, donate_argnums=donate, out_shardings=outs)
-            abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=everywhere)
+            abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=everywhere)
         return step.lower(*device_args, *jax.tree.map(abstract, host_args)).compile()
 
     def warmup(self, progress=None) -> float:
@@ -197,6 +256,8 @@ class ModelRunner:
         # sequence bucket is some body's body_seqs), and nothing twice.
         for t in self.config.token_buckets:
             self.run(empty_batch(self.config, self.config.bucket_for(t, self.config.body_seqs(t))))
+        spare = self.config.max_num_seqs
+        self._reset_slots([(spare, np.zeros(0, np.int32), np.zeros(0, np.int32))])
         bar.close()
         self.warm = True
         elapsed = time.perf_counter() - start
@@ -215,7 +276,8 @@ class ModelRunner:
             exe = self._executables[bucket] = self.compile_bucket(bucket)
         return exe
 
-    def run(self, batch: StepBatch) -> StepResult:
+    def submit(self, batch: StepBatch) -> PendingStep:
+        """Dispatch one step without waiting for it (the device runs steps in order)."""
         num_tokens, num_seqs = batch.bucket
         body = self._executable(("tokens", num_tokens))
         head = self._executable(("seqs", num_seqs))
@@ -223,19 +285,36 @@ class ModelRunner:
             self.cluster.send("run", (self.config.model, batch))
         _active.runner = self if self.warm else None
         try:
-            hidden, self.kv = body(self.state, self.kv, batch.body_inputs)
-            outputs = head(self.state, hidden, batch.sampling)
-            ids, logprobs, top_ids, top_logprobs = jax.device_get(outputs)
+            if batch.resets:
+                self._reset_slots(batch.resets)
+            counts, mask, last = self.slot_state
+            hidden, self.kv = body(self.state, self.kv, last, batch.body)
+            outputs, counts, last = head(self.state, hidden, counts, mask, last,
+                                         batch.sampling_ints, batch.sampling_floats)
+            self.slot_state = counts, mask, last
         finally:
             _active.runner = None
-        n = batch.num_seqs
-        return StepResult(ids[:n], logprobs[:n], top_ids[:n], top_logprobs[:n])
+        return PendingStep(outputs, batch.num_seqs)
+
+    def run(self, batch: StepBatch) -> StepResult:
+        """One step, waited for."""
+        return self.submit(batch).result()
+
+    def _reset_slots(self, resets) -> None:
+        reset = self._executable(("penalties", 1))
+        width = self.config.max_model_len
+        counts, mask, last = self.slot_state
+        for slot, prompt, output in resets:
+            rows = np.full((2, width), -1, np.int32)
+            rows[0, :len(prompt)], rows[1, :len(output)] = prompt, output
+            counts, mask = reset(counts, mask, np.int32(slot), rows[0], rows[1])
+        self.slot_state = counts, mask, last
 
     def release(self) -> None:
         """Free this runner's device memory (weights, KV pages, executables) now rather than
         whenever the last reference goes: a rebooting engine calls it before building the
         next runner, so the two never hold device memory at once."""
-        for x in jax.tree.leaves((self.state, self.kv)):
+        for x in jax.tree.leaves((self.state, self.kv, self.slot_state)):
             if isinstance(x, jax.Array) and not x.is_deleted():
                 x.delete()
         self._executables.clear()

@@ -6,6 +6,13 @@ chunks), then new prompts from the waiting queue, chunked to fit the budget. Whe
 KV blocks run out, the newest running sequence is preempted by recompute: its
 blocks are freed and it goes back to the front of the waiting queue with the
 tokens it has so far.
+
+Steps may overlap: the engine dispatches step n+1 before it reads step n's tokens. So a
+sequence's progress is booked when it is scheduled (`num_computed_tokens` advances, and a
+sampled token takes a PENDING place in `token_ids` that the next step reads on the device),
+and `postprocess` fills in the token later. A sequence whose pending token is its last
+(max_tokens, max_model_len) is not scheduled again; one that stops on a token it learns late
+drops the pending token after it (never shown) and frees its blocks.
 """
 
 from __future__ import annotations
@@ -31,11 +38,13 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     start: int  # first token index computed in this step (== seq.num_computed_tokens then)
+    # Whether this step reaches the sequence's last token, so a new token is sampled (set when
+    # the step is booked; the token's place is token_ids[start + num_new_tokens]).
+    samples: bool = False
 
     @property
-    def samples(self) -> bool:
-        """Whether this step reaches the sequence's last token, so a new token is sampled."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
 
 
 @dataclasses.dataclass
@@ -101,6 +110,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._ends_with_pending(seq):  # its last token is being sampled: nothing to do
+                i += 1
+                continue
             # A decode token appended last step may need a fresh block for its K/V.
             while not self.blocks.can_append(seq):
                 victim = self.running.pop()  # the newest running sequence
@@ -122,7 +134,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            if not self.blocks.can_allocate(seq):
+            # Preempted while a step with its token was in flight: recompute it once known.
+            if seq.num_pending or not self.blocks.can_allocate(seq):
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq)  # sets num_computed_tokens from prefix-cache hits
@@ -135,7 +148,13 @@ class Scheduler:
         # Sequences with history (computed tokens) first: the reference attention reads
         # history only up to the last row that has any.
         scheduled.sort(key=lambda e: e.start == 0)
-        if not scheduled and self.has_unfinished():
+        for e in scheduled:  # book the step (see the module docstring)
+            e.samples = e.end == e.seq.num_tokens
+            e.seq.num_computed_tokens = e.end
+            if e.samples:
+                e.seq.append_pending()
+        if not scheduled and self.has_unfinished() and not any(
+                s.num_pending for s in (*self.running, *self.waiting)):
             raise SchedulerStuck(
                 f"nothing could be scheduled with {len(self.waiting)} waiting and "
                 f"{len(self.running)} running sequences and {self.blocks.num_free_blocks} of "
@@ -165,32 +184,42 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        if not seq.num_pending:
+            return False
+        p = seq.params
+        return ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
+                or seq.num_tokens >= self.config.max_model_len)
+
     def postprocess(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
         """Record a step's results; `sampled[i]` is the token for `out.scheduled[i]` (None
         when that entry only computed a prefill chunk). Returns sequences that finished."""
         finished = []
         for entry, token in zip(out.scheduled, sampled, strict=True):
             seq = entry.seq
-            if seq.is_finished:  # aborted while the step ran
+            if seq.is_finished:  # aborted or stopped while the step ran
                 continue
-            self.blocks.mark_computed(seq, entry.start + entry.num_new_tokens)
-            if token is None:
+            if seq.status is SequenceStatus.RUNNING:  # not preempted since: its K/V are written
+                self.blocks.mark_computed(seq, entry.end)
+            if not entry.samples:
                 continue
-            seq.append_token(token)
-            reason = self._stop_reason(seq, token)
+            seq.resolve(entry.end, token)
+            reason = self._stop_reason(seq, token, entry.end + 1)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
+        """Whether `token`, the sequence's `num_tokens`-th, ends it."""
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+        num_output = num_tokens - seq.num_prompt_tokens
+        if num_output >= p.min_tokens:
             if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
                 return "stop"
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        if p.max_tokens is not None and num_output >= p.max_tokens:
             return "length"
-        if seq.num_tokens >= self.config.max_model_len:
+        if num_tokens >= self.config.max_model_len:
             return "length"
         return None
 
@@ -200,6 +229,7 @@ class Scheduler:
             return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.truncate(seq.num_tokens - seq.num_pending)  # a token past the end is never shown
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -7,6 +7,10 @@ import itertools
 
 from engine.sampling_params import SamplingParams
 
+# The value a sampled token holds in `token_ids` from the step that samples it (dispatched)
+# until the host reads it back (one step later when steps overlap).
+PENDING = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -33,6 +37,7 @@ class Sequence:
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
+        self.num_pending = 0  # trailing PENDING tokens: sampled on the device, not yet read
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -43,10 +48,12 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """Output tokens the host knows (pending ones excluded)."""
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens including pending ones: the index the next sampled token gets."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
@@ -67,3 +74,23 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def append_pending(self) -> int:
+        """A step that samples this sequence was dispatched: its token takes a PENDING place
+        (the next step can already compute it from the device). Returns its position."""
+        self.token_ids.append(PENDING)
+        self.num_pending += 1
+        return len(self.token_ids) - 1
+
+    def resolve(self, position: int, token_id: int) -> None:
+        """The host read the token sampled for `position` (the oldest pending one)."""
+        if self.token_ids[position] != PENDING:
+            raise RuntimeError(f"sequence {self.seq_id}: position {position} is not pending")
+        self.token_ids[position] = token_id
+        self.num_pending -= 1
+
+    def truncate(self, num_tokens: int) -> None:
+        """Drop tokens from `num_tokens` on (pending ones past a stop)."""
+        dropped = self.token_ids[num_tokens:]
+        del self.token_ids[num_tokens:]
+        self.num_pending -= sum(1 for t in dropped if t == PENDING)

@@ -12,12 +12,14 @@ shape takes ~550 ms there); each is a per-row logit cutoff. Top-k and top-p read
 the 64 best tokens (one lax.top_k, ~7 ms) and fall back to an exact 32-step bisection
 (~30 ms) only when some row needs more. The draw is an inverse CDF with ONE uniform per row
 (a Gumbel draw needs S*V random numbers, ~40 ms there), over block masses then one block.
-Work no row asks for is skipped by a `lax.cond` on a batch-wide predicate: penalties (two
-scatters), the draw itself (all greedy), top-k/top-p, the bisections, the top-20 logprobs.
-That holds on CPU only (`_skip_unless`): on a GPU or TPU a conditional on device data makes
-the host wait for its predicate, so there the work runs unconditionally (each skipped
-branch equals the full one when no row asks for its work). Under `vmap` a cond becomes a
-select and runs both branches: call these on the whole batch.
+Penalties read per-slot tables the engine keeps on the device (`output_counts`, bumped by
+`count_sampled` after each draw; `prompt_mask`, set by `reset_slot` at admission), so no
+token lists travel per step. Work no row asks for is skipped by a `lax.cond` on a batch-wide
+predicate: penalties (two [S, V] gathers), the draw itself (all greedy), top-k/top-p, the
+bisections, the top-20 logprobs. That holds on CPU only (`_skip_unless`): on a GPU or TPU a
+conditional on device data makes the host wait for its predicate, so there the work runs
+unconditionally (each skipped branch equals the full one when no row asks for its work).
+Under `vmap` a cond becomes a select and runs both branches: call these on the whole batch.
 """
 
 from __future__ import annotations
@@ -50,16 +52,17 @@ class SamplingMetadata:
     repetition_penalty: jax.Array  # [S] f32; 1 = off
     seeds: jax.Array               # [S, 2] u32: the row's 64-bit seed as (hi, lo), see seed_words
     steps: jax.Array               # [S] i32: tokens generated so far (the draw's counter)
-    output_tokens: jax.Array       # [S, L] i32: generated tokens, padded with -1
-    prompt_tokens: jax.Array       # [S, P] i32: prompt tokens, padded with -1
+    slots: jax.Array               # [S] i32: each row's row in the two tables below
+    output_counts: jax.Array       # [N, V] i32: per slot, how often each id was generated
+    prompt_mask: jax.Array         # [N, V] bool: per slot, the ids in the prompt
     num_top_logprobs: jax.Array    # [S] i32: top logprobs the row wants; all 0 skips the top-20
     banned_tokens: jax.Array       # [S, B] i32: ids the row may not pick now, padded with -1
                                    # (EOS and stop tokens before min_tokens is reached)
 
     @classmethod
-    def dummy(cls, num_seqs: int, max_output_len: int = 1, max_prompt_len: int = 1):
-        """Host (numpy) arrays for `num_seqs` padding rows. The engine fills real rows in
-        place and passes the result to the jitted step; warmup can pass it as is."""
+    def dummy(cls, num_seqs: int, vocab_size: int = 1):
+        """Host (numpy) arrays for `num_seqs` padding rows, row i on slot i of zeroed count
+        tables. Tests fill rows in place; warmup can pass it as is."""
         s = num_seqs
         return cls(
             temperature=np.zeros(s, np.float32),
@@ -71,8 +74,9 @@ class SamplingMetadata:
             repetition_penalty=np.ones(s, np.float32),
             seeds=np.zeros((s, 2), np.uint32),
             steps=np.zeros(s, np.int32),
-            output_tokens=np.full((s, max_output_len), -1, np.int32),
-            prompt_tokens=np.full((s, max_prompt_len), -1, np.int32),
+            slots=np.arange(s, dtype=np.int32),
+            output_counts=np.zeros((s, vocab_size), np.int32),
+            prompt_mask=np.zeros((s, vocab_size), bool),
             num_top_logprobs=np.zeros(s, np.int32),
             banned_tokens=np.full((s, MAX_BANNED), -1, np.int32),
         )
@@ -114,18 +118,34 @@ def _skip_unless(pred: jax.Array, full: Callable, skipped: Callable, *operands):
 # ---- penalties ------------------------------------------------------------------------
 
 
-def _token_counts(tokens: jax.Array, vocab_size: int) -> jax.Array:
-    """[S, N] ids padded with -1 -> [S, V] i32 occurrence counts."""
-    rows = jnp.arange(tokens.shape[0])[:, None]
-    ids = jnp.where(tokens >= 0, tokens, vocab_size)  # out of range -> dropped
-    counts = jnp.zeros((tokens.shape[0], vocab_size), jnp.int32)
-    return counts.at[rows, ids].add(1, mode="drop")
+def token_counts(tokens: jax.Array, vocab_size: int) -> jax.Array:
+    """[..., N] ids padded with -1 -> [..., V] i32 occurrence counts."""
+    flat = tokens.reshape(-1, tokens.shape[-1])
+    rows = jnp.arange(flat.shape[0])[:, None]
+    ids = jnp.where(flat >= 0, flat, vocab_size)  # out of range -> dropped
+    counts = jnp.zeros((flat.shape[0], vocab_size), jnp.int32).at[rows, ids].add(1, mode="drop")
+    return counts.reshape(*tokens.shape[:-1], vocab_size)
+
+
+def reset_slot(output_counts: jax.Array, prompt_mask: jax.Array, slot: jax.Array,
+               prompt: jax.Array, output: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A slot's tables counted afresh from its prompt and output ids so far ([L] each, padded
+    with -1): what a sequence with penalties brings when it takes a slot."""
+    vocab_size = output_counts.shape[1]
+    return (output_counts.at[slot].set(token_counts(output, vocab_size)),
+            prompt_mask.at[slot].set(token_counts(prompt, vocab_size) > 0))
+
+
+def count_sampled(output_counts: jax.Array, slots: jax.Array,
+                  token_ids: jax.Array) -> jax.Array:
+    """Each row's sampled id counted in its slot (S scattered adds; rows on a shared spare
+    slot count there harmlessly)."""
+    return output_counts.at[slots, token_ids].add(1, mode="drop")
 
 
 def _penalize(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    vocab_size = logits.shape[1]
-    out_counts = _token_counts(md.output_tokens, vocab_size)           # [S, V]
-    seen = (_token_counts(md.prompt_tokens, vocab_size) > 0) | (out_counts > 0)
+    out_counts = md.output_counts[md.slots]                            # [S, V]
+    seen = md.prompt_mask[md.slots] | (out_counts > 0)
     r = md.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
     return (logits - md.frequency_penalty[:, None] * out_counts

@@ -66,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
                    help="multi-host: this process's rank; 0 serves HTTP, the others follow")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="dispatch each step before reading the previous one's tokens (the "
+                        "outputs are the same; default: on for GPU/TPU, off on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cors-origins", "--allowed-origins", dest="cors_origins", nargs="*",
                    default=[], help="origins allowed by CORS (none by default)")
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             num_blocks=args.num_pages, enable_prefix_caching=args.enable_prefix_caching,
             attention_backend=args.attention_backend,
             tensor_parallel_size=args.tensor_parallel_size,
-            max_waiting_requests=args.max_waiting_requests, seed=args.seed)
+            max_waiting_requests=args.max_waiting_requests, seed=args.seed,
+            async_scheduling=args.async_scheduling)
     except (ValueError, FileNotFoundError, OSError) as e:
         logger.error("cannot start: %s", e)
         return 2

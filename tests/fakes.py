@@ -14,6 +14,16 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import StepResult
 
 
+class Done:
+    """A step that already ran (what `submit` returns for a runner without a device)."""
+
+    def __init__(self, result):
+        self._result = result
+
+    def result(self):
+        return self._result
+
+
 class FakeRunner:
     def __init__(self, step: int = 1):
         self.step, self.warm, self.compilations_after_warmup = step, False, 0
@@ -22,6 +32,7 @@ class FakeRunner:
         self.gate.set()
         self.calls, self.pause_after = 0, None  # pause_after: block from that call on
         self.paused = threading.Event()  # set once a call has blocked on pause_after
+        self.last = np.zeros(1024, np.int32)  # each slot's last sampled token (a device's)
 
     def warmup(self):
         self.warm = True
@@ -29,6 +40,9 @@ class FakeRunner:
 
     def release(self):
         self.warm = False
+
+    def submit(self, batch):
+        return Done(self.run(batch))
 
     def run(self, batch):
         self.calls += 1
@@ -40,7 +54,9 @@ class FakeRunner:
             self.fail_next = False
             raise RuntimeError("injected fault")
         n = batch.num_seqs
-        ids = (batch.tokens[batch.logits_indices[:n]] + self.step).astype(np.int32)
+        tokens = batch.host_tokens(self.last)  # pending rows: their slot's last token
+        ids = (tokens[batch.logits_indices[:n]] + self.step).astype(np.int32)
+        self.last[batch.sampling["slots"][:n]] = ids
         return StepResult(ids, np.zeros(n, np.float32), np.zeros((n, 20), np.int32),
                           np.zeros((n, 20), np.float32))
 

@@ -77,9 +77,10 @@ def test_leaving_the_stream_aborts_and_frees_blocks(tokenizer):
     engine, runners = make_engine(tokenizer)
     seen = {}
 
-    # The engine stalls in its 5th step, so the request cannot finish (its 20-token prompt
-    # may take two steps: the scheduler trims a chunk just past a bucket).
-    runners[0].pause_after = 5
+    # The engine stalls in its 6th step, so the request cannot finish (its 20-token prompt
+    # may take two steps: the scheduler trims a chunk just past a bucket; a step's tokens are
+    # read once the next one is dispatched).
+    runners[0].pause_after = 6
 
     async def main():
         params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
@@ -260,13 +261,13 @@ def test_a_reboot_frees_the_dead_engines_device_memory_first(default_gguf):
     one_engine = live_bytes() - before_build
     runner = engines[0].runner
     assert one_engine >= runner.kv_bytes() + 100 * 2**20  # KV + ~540 MB of float32 weights
-    run = runner.run
+    submit = runner.submit
 
     def fail_once(batch):
-        runner.run = run
+        runner.submit = submit
         raise RuntimeError("injected fault")
 
-    runner.run = fail_once
+    runner.submit = fail_once
 
     async def main():
         with pytest.raises(EngineDeadError, match="injected fault"):

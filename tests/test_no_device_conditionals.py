@@ -10,6 +10,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import export
 
 from ops.sampling import SamplingMetadata, sample
@@ -36,7 +37,7 @@ def data_dependent_conditionals(mlir: str) -> list[str]:
 
 def _sampler_mlir(platform: str) -> str:
     num_seqs, vocab = 4, 1000
-    md = SamplingMetadata.dummy(num_seqs, 8, 8)
+    md = SamplingMetadata.dummy(num_seqs, vocab)
     args = (jax.ShapeDtypeStruct((num_seqs, vocab), jnp.float32),
             jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), md))
     return export.export(jax.jit(sample), platforms=[platform])(*args).mlir_module()
@@ -75,7 +76,18 @@ def test_the_model_body_with_the_gpu_kernel_has_no_conditional_on_device_data(mo
     runner = ModelRunner(cfg, model=random_model(preset_config("tiny"), jnp.float32,
                                                  attention_backend="pallas-gpu"))
     abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
-    args = jax.tree.map(abstract, (runner.state, runner.kv, empty_batch(cfg, (16, 4)).body_inputs))
+    batch = empty_batch(cfg, (16, 4))
+    counts, mask, last = runner.slot_state
+    args = jax.tree.map(abstract, (runner.state, runner.kv, last, batch.body))
     text = jax.jit(runner._body).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
     assert data_dependent_conditionals(text) == []
+    # the LM head + sampler + per-slot bookkeeping of the same step, and its CPU control
+    hidden = np.zeros((cfg.max_num_seqs, runner.model_config.hidden_size), np.float32)
+    args = jax.tree.map(abstract, (runner.state, hidden, counts, mask, last,
+                                   batch.sampling_ints, batch.sampling_floats))
+    for platform, found in (("cuda", 0), ("cpu", 6)):
+        text = jax.jit(runner._head).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        assert len(data_dependent_conditionals(text)) >= found
+        if platform == "cuda":
+            assert data_dependent_conditionals(text) == []

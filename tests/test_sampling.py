@@ -17,6 +17,7 @@ from ops.sampling import (
     probs,
     sample,
     seed_words,
+    token_counts,
 )
 
 LOGITS = np.array([0.5, 2.0, -1.0, 1.0, -3.0, 1.5, 0.0, -0.5], np.float32)  # V = 8, no ties
@@ -32,9 +33,10 @@ def sample_jit(logits, md):
     return sample(logits, md)
 
 
-def metadata(num_seqs: int, **columns) -> SamplingMetadata:
-    """Padding-row metadata with distinct seeds, then `columns` written over it."""
-    md = SamplingMetadata.dummy(num_seqs, 4, 4)
+def metadata(num_seqs: int, vocab: int = len(LOGITS), **columns) -> SamplingMetadata:
+    """Padding-row metadata (count tables of `vocab` ids) with distinct seeds, then `columns`
+    written over it."""
+    md = SamplingMetadata.dummy(num_seqs, vocab)
     md.seeds[:, 1] = np.arange(num_seqs)
     for name, value in columns.items():
         getattr(md, name)[...] = value
@@ -42,8 +44,21 @@ def metadata(num_seqs: int, **columns) -> SamplingMetadata:
 
 
 def rows(mds: list[SamplingMetadata]) -> SamplingMetadata:
-    """Stack single-purpose metadata blocks into one batch."""
-    return jax.tree.map(lambda *xs: np.concatenate(xs), *mds)
+    """Stack single-purpose metadata blocks into one batch (each row keeps its own slot)."""
+    md = jax.tree.map(lambda *xs: np.concatenate(xs), *mds)
+    md.slots = np.arange(len(md.slots), dtype=np.int32)
+    return md
+
+
+def with_tokens(md: SamplingMetadata, output: np.ndarray, prompt: np.ndarray | None = None,
+                vocab_size: int | None = None) -> SamplingMetadata:
+    """Per-slot tables counted from [S, N] output (and prompt) ids padded with -1, as the
+    engine keeps them on the device."""
+    v = vocab_size or md.output_counts.shape[1]
+    md.output_counts = np.asarray(token_counts(jnp.asarray(output), v))
+    md.prompt_mask = (np.zeros((len(output), v), bool) if prompt is None
+                      else np.asarray(token_counts(jnp.asarray(prompt), v)) > 0)
+    return md
 
 
 # ---- numpy references -----------------------------------------------------------------
@@ -142,7 +157,7 @@ def test_draw_across_vocabulary_blocks():
     draws = DRAWS // 2
     logits = np.full((draws, SPREAD_VOCAB), -np.inf, np.float32)
     logits[:, SPREAD] = LOGITS
-    md = metadata(draws, temperature=1.0, top_p=0.95)
+    md = metadata(draws, SPREAD_VOCAB, temperature=1.0, top_p=0.95)
     md.seeds[:, 0] = 7
     counts = counts_of(logits, md, 1)[0]
     assert counts.sum() == counts[SPREAD].sum() == draws
@@ -168,7 +183,7 @@ def test_probs_match_reference_on_both_cutoff_paths():
               dict(temperature=0.8, top_k=100), dict(temperature=1.0, top_p=0.5),
               dict(temperature=1.5, top_k=150, top_p=0.95, min_p=0.1),
               dict(temperature=0.0, top_p=0.5), dict(temperature=1.0, top_k=10, top_p=0.5)]
-    md = rows([metadata(1, **p) for p in params])
+    md = rows([metadata(1, vocab, **p) for p in params])
     got = np.asarray(jax.jit(probs)(jnp.asarray(logits), md))
     np.testing.assert_allclose(got[6], np.full(vocab, 1 / vocab), rtol=1e-6)
     for s, p in enumerate(params[:6]):
@@ -189,7 +204,7 @@ MIXED = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.0, top
 
 def mixed_batch():
     logits = np.random.default_rng(1).normal(size=(len(MIXED), 64)).astype(np.float32)
-    md = rows([metadata(1, **p) for p in MIXED])
+    md = rows([metadata(1, 64, **p) for p in MIXED])
     md.seeds[:, 1] = 1000 + np.arange(len(MIXED))
     md.steps[:] = 7
     return logits, md
@@ -221,7 +236,7 @@ def test_each_row_draws_the_same_alone_and_anywhere_in_a_batch():
 
 def test_steps_and_seeds_change_the_draw():
     flat = jnp.zeros((16, 64))
-    md = metadata(16, temperature=1.0)
+    md = metadata(16, 64, temperature=1.0)
     md.seeds[:] = seed_words(1234)
     md.steps[:] = np.arange(16)
     by_step = np.asarray(sample_jit(flat, md).token_ids)
@@ -257,8 +272,7 @@ def test_penalties_match_vllm_formulas():
     rep = np.array([1.0, 1.3, 2.0, 0.8, 1.0], np.float32)
     freq = np.array([0.0, 0.5, 0.0, -0.3, 1.0], np.float32)
     pres = np.array([0.0, 0.25, 0.0, 1.5, 0.0], np.float32)
-    md = SamplingMetadata.dummy(5, output.shape[1], prompt.shape[1])
-    md.output_tokens[:], md.prompt_tokens[:] = output, prompt
+    md = with_tokens(SamplingMetadata.dummy(5, vocab), output, prompt)
     md.repetition_penalty[:], md.frequency_penalty[:], md.presence_penalty[:] = rep, freq, pres
     got = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), md))
     want = ref_penalties(logits, prompt, output, rep, freq, pres)
@@ -272,7 +286,7 @@ def test_penalties_off_leave_logits_alone_and_greedy_sees_them_on():
     md = metadata(1, temperature=0.0)
     np.testing.assert_array_equal(apply_penalties(logits, md), logits)
     assert int(sample_jit(logits, md).token_ids[0]) == 1
-    md.output_tokens[0, :2] = [1, 1]
+    md = with_tokens(md, np.array([[1, 1]], np.int32))
     md.frequency_penalty[:] = 1.0  # token 1 drops from 2.0 to 0.0: token 5 (1.5) wins
     assert int(sample_jit(logits, md).token_ids[0]) == 5
 
@@ -283,7 +297,7 @@ def test_penalties_off_leave_logits_alone_and_greedy_sees_them_on():
 def test_logprobs_are_raw_log_softmax_at_the_sampled_token():
     logits, md = mixed_batch()
     md.num_top_logprobs[:] = 5
-    md.output_tokens[:, :2] = [3, 4]
+    md = with_tokens(md, np.tile(np.array([[3, 4]], np.int32), (len(md.slots), 1)))
     md.repetition_penalty[:] = 1.5  # penalties and temperature must not touch the logprobs
     out = sample_jit(jnp.asarray(logits), md)
     ref = log_softmax64(logits)
@@ -309,7 +323,7 @@ def test_equal_logits_and_padding_rows_give_no_nan():
               dict(temperature=1.0, top_k=3), dict(temperature=0.5, min_p=0.9),
               dict(temperature=1e-6, top_k=2, top_p=0.1, min_p=1.0), dict(temperature=100.0),
               dict(temperature=1.0, top_k=100, top_p=0.2)]
-    md = rows([metadata(1, **p) for p in params] * 2)
+    md = rows([metadata(1, vocab, **p) for p in params] * 2)
     logits = np.zeros((len(md.temperature), vocab), np.float32)
     logits[len(params):, vocab // 2:] = -np.inf  # half the vocabulary masked by the engine
     md.num_top_logprobs[:] = 20
@@ -333,9 +347,9 @@ def test_new_parameter_values_do_not_recompile():
             dict(temperature=1.0, top_p=0.9, min_p=0.1), dict(temperature=1.0, top_k=60),
             dict(temperature=0.5, repetition_penalty=1.2, presence_penalty=0.5,
                  frequency_penalty=0.1, num_top_logprobs=20)]):
-        md = metadata(num_seqs, **params)
+        md = metadata(num_seqs, 64, **params)
         md.steps[:] = np.random.default_rng(seed).integers(0, 100, num_seqs)
-        md.output_tokens[:, 0] = seed
+        md = with_tokens(md, np.full((num_seqs, 1), seed, np.int32))
         jax.block_until_ready(sample_jit(jnp.asarray(logits), md))
     assert TRACES.count(jax.tree.map(jnp.shape, (logits, md))) == 1
 

@@ -3,13 +3,15 @@ sequence cap, the preemption victim, and admission that cannot hang."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected, Scheduler, SchedulerStuck
-from engine.sequence import Sequence
+from engine.sequence import PENDING, Sequence
 
 EOS = 2
 
@@ -148,3 +150,94 @@ def test_stop_conditions_respect_min_tokens():
     assert not s.is_finished
     step(sched, token=EOS)
     assert s.finish_reason == "stop" and s.output_token_ids == [EOS, EOS]
+
+
+# ---- overlapped steps: booked at dispatch, read one step later ---------------------------
+
+
+def test_an_overlapped_step_books_a_pending_token_and_resolves_it_later():
+    sched = make()
+    s = seq(4, max_tokens=3)
+    sched.add(s)
+    first = sched.schedule()                      # the prompt: samples token 0
+    assert first.scheduled[0].samples and s.token_ids[-1] == PENDING
+    assert s.num_computed_tokens == 4 and s.num_pending == 1
+    second = sched.schedule()                     # dispatched before `first` is read
+    assert [(e.start, e.num_new_tokens, e.samples) for e in second.scheduled] == [(4, 1, True)]
+    assert s.num_pending == 2 and s.num_output_tokens == 2
+    sched.postprocess(first, [41])
+    assert s.token_ids[4:] == [41, PENDING] and s.output_token_ids == [41]
+    third = sched.schedule()                      # token 2 is the last: nothing to schedule
+    assert [e.num_new_tokens for e in third.scheduled] == [1]
+    assert sched.schedule().scheduled == []       # max_tokens reached by pending tokens only
+    sched.postprocess(second, [42])
+    sched.postprocess(third, [43])
+    assert s.finish_reason == "length" and s.output_token_ids == [41, 42, 43]
+    assert sched.blocks.num_free_blocks == sched.blocks.num_usable_blocks
+
+
+def test_a_stop_learnt_late_drops_the_pending_token_after_it():
+    sched = make()
+    s = seq(4, max_tokens=10)
+    sched.add(s)
+    first = sched.schedule()
+    second = sched.schedule()                     # already computing the token after EOS
+    sched.postprocess(first, [EOS])
+    assert s.finish_reason == "stop" and s.token_ids == [10, 11, 12, 13, EOS]
+    assert s.num_pending == 0 and sched.blocks.num_free_blocks == sched.blocks.num_usable_blocks
+    sched.postprocess(second, [99])               # read later: ignored, never shown
+    assert s.output_token_ids == [EOS]
+
+
+def test_a_sequence_preempted_with_a_pending_token_waits_for_it():
+    sched = make()
+    s = seq(4, max_tokens=10)
+    sched.add(s)
+    first = sched.schedule()
+    sched._preempt(sched.running.pop())           # as a full cache would, while first runs
+    assert sched.schedule().scheduled == []       # no recompute of an unknown token
+    sched.postprocess(first, [55])
+    again = sched.schedule()
+    assert again.scheduled[0].start == 0 and again.scheduled[0].num_new_tokens == 4
+    assert s.token_ids == [10, 11, 12, 13, 55] and s.num_pending == 0  # 4 of 5: a bucket
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_on_and_off_agree_under_preemption_and_aborts(overlap):
+    """With a fake runner (next token = last + 1) and a cache that forces preemption, both
+    modes give the same outputs, preempt, and leave every block free."""
+    from fakes import FakeRunner
+
+    from engine.llm_engine import LLMEngine
+
+    def run(async_scheduling: bool):
+        cfg = EngineConfig(model="fake", max_model_len=64, max_num_seqs=6,
+                           max_num_batched_tokens=32, block_size=4, num_blocks=33,
+                           async_scheduling=async_scheduling)
+        tokenizer = types.SimpleNamespace(eos_token_ids=frozenset({EOS}), vocab_size=10**6)
+        eng = LLMEngine(cfg, runner=FakeRunner(), tokenizer=tokenizer, detokenize=False)
+        ids = [eng.add_request([100 * i + j for j in range(3 + 5 * i)], SamplingParams(
+            temperature=0, max_tokens=20 + 3 * i, ignore_eos=True)) for i in range(6)]
+        outs, steps = {}, 0
+        while eng.has_unfinished():
+            steps += 1
+            if steps == 7:
+                outs[ids[2]] = eng.abort(ids[2])
+            for o in eng.step():
+                outs[o.request_id] = o
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+        eng.block_manager.check_invariants()
+        return ({k: (o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                 for k, o in outs.items()}, eng.scheduler.num_preemptions)
+
+    got, preemptions = run(overlap)
+    want, _ = run(False)
+    assert preemptions > 0
+    assert {k: v for k, v in got.items() if k != "req-2"} == {
+        k: v for k, v in want.items() if k != "req-2"}
+    for k, (tokens, reason) in got.items():
+        if k == "req-2":
+            assert reason == "abort"
+        else:
+            first = 100 * int(k[4:]) + 2 + 5 * int(k[4:])  # the prompt's last id
+            assert reason == "length" and tokens == list(range(first + 1, first + 1 + len(tokens)))
