@@ -135,8 +135,8 @@ class AsyncEngine:
         return self.config.max_model_len
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                          request_id: str | None = None,
-                          add_special_tokens: bool = True) -> RequestStream:
+                          request_id: str | None = None, add_special_tokens: bool = True,
+                          cache_salt: str | None = None) -> RequestStream:
         """Validate and queue a request; its outputs come from the returned stream. Rejections
         (too long, empty, overloaded, engine down) raise here, before anything is queued."""
         self._check_accepting()
@@ -149,7 +149,7 @@ class AsyncEngine:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         stream = RequestStream(self, request_id, ids)
         self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, ids, params))
+        self._inbox.put(("add", request_id, ids, params, cache_salt))
         return stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -251,11 +251,11 @@ class AsyncEngine:
 
     def _handle(self, cmd) -> None:
         if cmd[0] == "add":
-            _, request_id, ids, params = cmd
+            _, request_id, ids, params, cache_salt = cmd
             if request_id not in self._streams:  # abandoned before it was queued
                 return
             try:
-                self.engine.add_request(ids, params, request_id)
+                self.engine.add_request(ids, params, request_id, cache_salt)
             except ValueError as e:  # rejected: the caller sees the reason
                 self._send(request_id, e)
         elif cmd[0] == "abort":

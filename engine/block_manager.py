@@ -29,7 +29,7 @@ def hash_block(parent: bytes, token_ids: Iterable[int]) -> bytes:
 
 
 def _root_hash(seq: Sequence) -> bytes:
-    salt = getattr(seq, "cache_salt", None)
+    salt = seq.cache_salt
     return b"" if salt is None else hashlib.sha256(b"salt:" + str(salt).encode()).digest()
 
 
@@ -96,10 +96,8 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens // self.block_size
             self.prefix_cache_hits += len(hits)
-        seq.num_cached_tokens = len(hits) * self.block_size
-        # The last token is always computed: the step must produce its logits. If it is cached,
-        # its K/V is rewritten (same values) into the shared last block.
-        seq.num_computed_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
+        seq.num_cached_tokens = len(hits) * self.block_size  # < num_tokens (see _cache_hits)
+        seq.num_computed_tokens = seq.num_cached_tokens
 
     def _cache_hits(self, seq: Sequence) -> list[int]:
         """Cached physical blocks matching seq's leading full blocks, up to the first miss."""
@@ -114,6 +112,12 @@ class BlockManager:
             if block is None or self._token_ids[block] != token_ids:
                 break
             hits.append(block)
+        if hits and len(hits) * self.block_size == seq.num_tokens:
+            # The last token is always computed (the step needs its logits): it must land in a
+            # block of its own, never rewrite a block other sequences read (in bfloat16 the
+            # rewrite need not even be bit-equal). As vLLM does, the last full block is
+            # computed again in a private block.
+            hits.pop()
         return hits
 
     def _num_free_blocks_needed(self, seq: Sequence, hits: list[int]) -> int:

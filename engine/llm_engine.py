@@ -85,7 +85,9 @@ class LLMEngine:
         return [int(i) for i in ids]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        """Queue a request; `cache_salt` keeps its prefix-cache blocks apart from requests
+        with another salt (or none)."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
         self.scheduler.check_fits(len(ids), params.max_tokens)  # raises RequestRejected
@@ -96,7 +98,7 @@ class LLMEngine:
         base = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, ids, params, [], [])
         for i in range(params.n):
-            seq = Sequence(ids, params, self.config.block_size, request_id)
+            seq = Sequence(ids, params, self.config.block_size, request_id, cache_salt)
             self._seeds[seq.seq_id] = (base + i * _GOLDEN) % (1 << 63)
             self._by_seq[seq.seq_id] = (req, i)
             req.seqs.append(seq)

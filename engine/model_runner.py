@@ -147,9 +147,11 @@ class ModelRunner:
         """Per slot (max_num_seqs + the spare): output token counts [N, V] i32, prompt ids
         [N, V] bool, last sampled token [N] i32."""
         n, vocab = self.config.max_num_seqs + 1, self.model_config.vocab_size
-        state = (jnp.zeros((n, vocab), jnp.int32), jnp.zeros((n, vocab), bool),
-                 jnp.zeros((n,), jnp.int32))
-        return state if self.mesh is None else jax.device_put(state, replicated(self.mesh))
+        # Made on the devices (a device_put of host zeros would compare them across processes).
+        make = jax.jit(lambda: (jnp.zeros((n, vocab), jnp.int32), jnp.zeros((n, vocab), bool),
+                                jnp.zeros((n,), jnp.int32)),
+                       out_shardings=None if self.mesh is None else replicated(self.mesh))
+        return make()
 
     def _zero_kv(self, cfg, dtype, mesh) -> KVCache:
         """Zeroed KV pages for model config `cfg`, split by KV head under a mesh."""

@@ -32,7 +32,7 @@ class Generation:
 
     def __init__(self, chat: bool, model: str, engine: AsyncEngine, params: SamplingParams,
                  tracker: RequestTracker, echo: bool = False, include_usage: bool = False,
-                 return_token_ids: bool = False):
+                 return_token_ids: bool = False, cache_salt: str | None = None):
         self.chat = chat
         self.model = model
         self.engine = engine
@@ -41,6 +41,7 @@ class Generation:
         self.echo = echo
         self.include_usage = include_usage
         self.return_token_ids = return_token_ids
+        self.cache_salt = cache_salt
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.streams: list[RequestStream] = []
@@ -51,7 +52,7 @@ class Generation:
         try:
             for i, prompt in enumerate(prompts):
                 stream = await self.engine.add_request(prompt, self.params, f"{self.id}-{i}",
-                                                       add_special_tokens)
+                                                       add_special_tokens, self.cache_salt)
                 self.streams.append(stream)
                 self.tracker.accepted(len(stream.prompt_token_ids))
                 if self.echo:
@@ -272,7 +273,8 @@ async def create_completion(request: Request, req: CompletionRequest, model: str
     if not prompts:
         raise APIError(400, "prompt is empty", param="prompt")
     gen = Generation(False, model, engine, req.to_sampling_params(), tracker, echo=req.echo,
-                     include_usage=req.include_usage, return_token_ids=req.return_token_ids)
+                     include_usage=req.include_usage, return_token_ids=req.return_token_ids,
+                     cache_salt=req.cache_salt)
     await gen.start(prompts, add_special_tokens=True)
     return gen.stream_response() if req.stream else await gen.response(request)
 
@@ -286,7 +288,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest, m
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     gen = Generation(True, model, engine, params, tracker, include_usage=req.include_usage,
-                     return_token_ids=req.return_token_ids)
+                     return_token_ids=req.return_token_ids, cache_salt=req.cache_salt)
     # The template writes the special tokens (BOS included) itself.
     await gen.start([prompt], add_special_tokens=False)
     return gen.stream_response() if req.stream else await gen.response(request)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -44,12 +44,18 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     return_token_ids: bool = Field(False, description="Add prompt_token_ids and token_ids to "
                                                       "each choice (vLLM extension).")
+    cache_salt: str | None = Field(None, description="Prefix-cache namespace (vLLM extension): "
+                                   "only requests with the same salt share cached prompt "
+                                   "blocks.")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise SamplingParamsError("best_of", "best_of different from n is not supported")
         if self.logit_bias:
             raise SamplingParamsError("logit_bias", "logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise SamplingParamsError("stream_options",
+                                      "stream_options is only allowed when stream is true")
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -91,11 +97,18 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, ... reach the template
+    model_config = ConfigDict(extra="allow")  # tool_calls, ... reach the template
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = Field(None, description="Required for role 'tool'.")
+
+    @model_validator(mode="after")
+    def _tool_messages_answer_a_call(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs tool_call_id")
+        return self
 
     def for_template(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)

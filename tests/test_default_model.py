@@ -23,7 +23,6 @@ def decoder(default_gguf):
 
 @pytest.fixture(scope="module")
 def reference(default_gguf):
-    pytest.importorskip("transformers")
     from models.parity import load_reference
 
     return load_reference(default_gguf)

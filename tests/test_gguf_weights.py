@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import math
 
+import gguf  # the dev extra: a missing reference fails, never skips
 import numpy as np
 import pytest
+import torch
+import transformers
 
 from models.generate import GreedyDecoder
 from models.loader import load_model
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
 
 NAMES = {
     "input_layernorm.weight": "attn_norm.weight",

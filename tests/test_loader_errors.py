@@ -6,14 +6,12 @@ import json
 
 import numpy as np
 import pytest
+import transformers
+from safetensors.numpy import load_file, save_file
 
 from models.gguf_file import GGUFError
 from models.loader import load_model
 from models.weights import WeightError
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-from safetensors.numpy import load_file, save_file  # noqa: E402
 
 
 def test_truncated_gguf_names_file_and_tensor(default_gguf, tmp_path):

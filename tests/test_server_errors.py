@@ -91,6 +91,8 @@ BAD_REQUESTS = [  # (body, param, words the message must carry)
     ({"prompt": [[]]}, None, "empty"),
     ({"prompt": [7] * 200}, None, "maximum context length is 128 tokens, but the request needs "
                                   "200 prompt tokens + max_tokens 16 = 216"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options",
+     "only allowed when stream is true"),
 ]
 
 
@@ -115,11 +117,28 @@ def test_invalid_completion_requests_are_400(served, body, param, words):
     ({"messages": [{"role": "user", "content": "hi"}],
       "response_format": {"type": "json_object"}}, "response_format", "only 'text'"),
     ({"messages": [{"role": "user", "content": "hi " * 200}]}, None, "maximum context length"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages", "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]},
+     "messages", "tool_call_id"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {}},
+     "stream_options", "only allowed when stream is true"),
 ])
 def test_invalid_chat_requests_are_400(served, body, param, words):
     client, _, _ = served
     assert_error(client.post("/v1/chat/completions", json={"model": "fake", **body}), 400,
                  param=param, match=words)
+
+
+def test_every_openai_role_is_accepted(served):
+    client, engine, _ = served
+    messages = [{"role": "developer", "content": "be brief"}, {"role": "system", "content": "s"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"},
+                {"role": "assistant", "content": "calling f"},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    r = client.post("/v1/chat/completions", json={"model": "fake", "messages": messages,
+                                                  "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert wait_until(lambda: all_free(engine))
 
 
 def test_malformed_bodies_are_400(served):
@@ -211,7 +230,9 @@ def test_full_queue_is_429_and_dead_engine_is_503(served):
 
 def test_engine_failure_mid_stream_is_an_error_event_then_done(served):
     client, engine, runners = served
-    runners[0].pause_after = runners[0].calls + 3  # stall in the 3rd step from now ...
+    # Stall in the 4th step from now (a step's tokens are read once the next one is
+    # dispatched, so two outputs are out by then) ...
+    runners[0].pause_after = runners[0].calls + 4
     events = []
     with client.stream("POST", "/v1/completions", json={
             "model": "fake", "prompt": [50], "max_tokens": 50, "stream": True,
@@ -251,3 +272,21 @@ def test_openapi_comes_from_the_request_models(served):
     assert "ChatMessage" in schemas and "/v1/chat/completions" in doc["paths"]
     ref = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
     assert ref["schema"]["$ref"] == "#/components/schemas/CompletionRequest"
+
+
+def test_cache_salt_keeps_prefixes_apart(served):
+    """vLLM's `cache_salt`: only requests with the same salt share cached prompt blocks."""
+    client, engine, _ = served
+    prompt = list(range(100, 140))  # 40 tokens: two full blocks of 16 and a partial one
+
+    def cached(**extra) -> int:
+        r = complete(client, prompt=prompt, max_tokens=1, **extra)
+        assert r.status_code == 200, r.text
+        assert wait_until(lambda: all_free(engine))
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") == 32
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0
+    assert cached() == 32
