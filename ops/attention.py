@@ -339,14 +339,39 @@ def check_backend(backend: str) -> None:
                          f"available: {', '.join(BACKENDS)}")
 
 
-def resolve_backend(backend: str) -> str:
-    """`auto` is the platform's best: the Pallas kernel on a GPU or TPU (on an H100 it beat
-    the XLA-compiled reference on every mixed batch and on large decode batches, see
-    docs/performance.md), the reference on CPU (where Pallas only interprets)."""
+# Our GPU kernel goes through Pallas's Triton lowering, which needs Ampere or newer (bf16
+# tensor-core dots). It ran on Hopper (an H100, jax 0.11.2; docs/performance.md). jax 0.11
+# marks that lowering deprecated in favour of Mosaic GPU, which targets Hopper and newer
+# only; a Mosaic GPU kernel would be chosen here, by compute capability, once it exists.
+TRITON_MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+def _compute_capability(device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device; None for ROCm or an unknown device."""
+    cc = getattr(device, "compute_capability", None)
+    try:
+        major, minor = str(cc).split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
+
+
+def resolve_backend(backend: str, device=None) -> str:
+    """`auto` is the best implementation for `device` (default: the first device): the
+    Mosaic TPU kernel on a TPU; the Triton kernel on an NVIDIA GPU of compute capability
+    8.0 or newer (on an H100 it beat the XLA-compiled reference on every mixed batch and on
+    large decode batches, see docs/performance.md); the reference on CPU (where Pallas only
+    interprets) and on GPUs the Triton kernel does not serve (older NVIDIA, ROCm)."""
     check_backend(backend)
     if backend != "auto":
         return backend
-    return "reference" if jax.default_backend() == "cpu" else "pallas"
+    device = device if device is not None else jax.devices()[0]
+    if device.platform == "tpu":
+        return "pallas-tpu"
+    if device.platform == "cpu":
+        return "reference"
+    cc = _compute_capability(device)
+    return "pallas-gpu" if cc is not None and cc >= TRITON_MIN_COMPUTE_CAPABILITY else "reference"
 
 
 def ragged_paged_attention(q, cache, layer, md, *, sm_scale, sliding_window=None,

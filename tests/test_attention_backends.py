@@ -46,3 +46,24 @@ def test_pallas_greedy_equals_reference(default_gguf, reference_tokens, backend)
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown attention backend 'flash'.*reference"):
         check_backend("flash")
+
+
+def test_auto_picks_the_kernel_by_platform_and_compute_capability():
+    import types
+
+    import jax
+
+    from ops.attention import resolve_backend
+
+    def device(platform, cc=None):
+        return types.SimpleNamespace(platform=platform, compute_capability=cc)
+
+    assert resolve_backend("auto", device("cpu")) == "reference"
+    assert resolve_backend("auto", device("tpu")) == "pallas-tpu"
+    assert resolve_backend("auto", device("gpu", "9.0")) == "pallas-gpu"   # Hopper: it ran there
+    assert resolve_backend("auto", device("gpu", "8.0")) == "pallas-gpu"   # Ampere
+    assert resolve_backend("auto", device("gpu", "7.5")) == "reference"    # Turing: no Triton path
+    assert resolve_backend("auto", device("gpu")) == "reference"           # ROCm / unknown
+    assert resolve_backend("pallas-gpu", device("cpu")) == "pallas-gpu"    # named: as asked
+    assert resolve_backend("auto") == ("reference" if jax.default_backend() == "cpu"
+                                       else resolve_backend("auto", jax.devices()[0]))
