@@ -27,6 +27,7 @@ nothing this step) use the spare slot `max_num_seqs`, whose columns are neutral.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import numpy as np
@@ -47,8 +48,10 @@ INT_COLUMNS = {"top_k": 1, "steps": 1, "num_top_logprobs": 1, "slots": 1, "seeds
                "banned_tokens": MAX_BANNED}
 
 
+@functools.cache
 def body_layout(config: EngineConfig, num_tokens: int) -> dict[str, tuple[int, tuple]]:
-    """Where each model-body input sits in the step's int32 buffer: name -> (offset, shape)."""
+    """Where each model-body input sits in the step's int32 buffer: name -> (offset, shape).
+    Cached (every step asks); callers must not change the result."""
     t, sb = num_tokens, config.body_seqs(num_tokens)
     shapes = {"tokens": (t,), "token_slot": (t,), "positions": (t,), "token_seq": (t,),
               "slot_mapping": (t,), "query_start_loc": (sb + 1,), "kv_lens": (sb,),
@@ -69,6 +72,7 @@ def body_tokens(config: EngineConfig, size: int) -> int:
     raise ValueError(f"no token bucket has a body buffer of {size} entries")
 
 
+@functools.cache
 def sampling_layout() -> dict[str, tuple[int, int]]:
     """Rows of the [k, S] int32 sampling buffer: name -> (first row, rows). Float columns are
     the rows of a [len(FLOAT_COLUMNS), S] float32 buffer in FLOAT_COLUMNS order."""

@@ -188,9 +188,6 @@ class ModelRunner:
         return ((out.token_ids, out.logprobs, out.top_ids, out.top_logprobs),
                 output_counts, last_tokens)
 
-    def _reset(self, output_counts, prompt_mask, slot, prompt, output):
-        return reset_slot(output_counts, prompt_mask, slot, prompt, output)
-
     def compile_bucket(self, bucket: tuple[str, int]):
         """One executable of the table, ("tokens", T) or ("seqs", S): loaded from the store
         when a runner of the same fingerprint compiled it before, else compiled ahead of time
@@ -220,7 +217,7 @@ class ModelRunner:
             batch = empty_batch(cfg, (1, size))
             host_args = (hidden, counts, mask, last, batch.sampling_ints, batch.sampling_floats)
         elif kind == "penalties":
-            fn, donate = self._reset, (0, 1)
+            fn, donate = reset_slot, (0, 1)
             device_args = (counts, mask)
             row = np.zeros(cfg.max_model_len, np.int32)
             host_args = (np.int32(0), row, row)
