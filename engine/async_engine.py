@@ -57,6 +57,11 @@ class EngineStats:
     warm: bool = False
 
 
+def _deliver(batch: list[tuple[asyncio.Queue, object]]) -> None:  # on the event loop
+    for queue_, item in batch:
+        queue_.put_nowait(item)
+
+
 class RequestStream:
     """One request's outputs as an async iterator. The engine thread feeds it through
     `call_soon_threadsafe`; `close()` before the last output aborts the request."""
@@ -72,6 +77,17 @@ class RequestStream:
 
     def put(self, item) -> None:  # engine thread
         self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    @staticmethod
+    def put_all(items: list[tuple[RequestStream, object]]) -> None:  # engine thread
+        """Hand a step's outputs to their streams with one wake-up per event loop (each
+        `call_soon_threadsafe` writes to the loop's self-pipe: 64 of them a step at 64
+        streams, where one does)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream._loop, []).append((stream._queue, item))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, batch)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -234,8 +250,9 @@ class AsyncEngine:
             block = not self.engine.has_unfinished()
             self._drain(block)
             if self.engine.has_unfinished():
-                for out in self.engine.step():
-                    self._send(out.request_id, out)
+                outs = self.engine.step()
+                RequestStream.put_all([(stream, o) for o in outs if (
+                    stream := self._streams.get(o.request_id)) is not None])
 
     def _drain(self, block: bool) -> None:
         try:

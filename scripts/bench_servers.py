@@ -89,7 +89,7 @@ def server_command(name: str, args, gguf: str, port: int) -> tuple[list[str], st
         return [args.llama_cpp_server, "-m", gguf, "--alias", SERVED_NAME,
                 "--host", "127.0.0.1", "--port", str(port), "-t", str(args.llama_threads),
                 "-np", str(args.llama_parallel), "-c", str(total),
-                *args.llama_args.split()], "/health"
+                *llama_cpp_workarounds(), *args.llama_args.split()], "/health"
     if name == "llama-cpp-python":
         threads = str(args.llama_threads)
         return [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", gguf,
@@ -98,6 +98,18 @@ def server_command(name: str, args, gguf: str, port: int) -> tuple[list[str], st
                 # queue concurrent requests instead of cutting off the stream in progress
                 "--interrupt_requests", "False"], "/v1/models"
     raise ValueError(f"unknown server {name!r}; known: {', '.join(SERVERS)}")
+
+
+def llama_cpp_workarounds(cpuinfo: str | None = None) -> list[str]:
+    """Flags llama-server needs on this machine. On a CPU with AMX (seen: a Sapphire Rapids
+    VM, 2026-11-24) the llama.cpp of llama-cpp-python 0.3.36 moves Q4_1 weights into ggml's
+    AMX buffers and segfaults in ggml_backend_amx_mul_mat at the first batch;
+    `--no-repack` keeps them in the plain CPU buffers (ggml has no other repacked Q4_1
+    kernel on x86, so elsewhere the flag would change nothing)."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.exists() else ""
+    return ["--no-repack"] if " amx_int8" in cpuinfo else []
 
 
 def bench(url: str, label: str, concurrency: int, args, out: Path) -> dict:

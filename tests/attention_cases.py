@@ -12,6 +12,7 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ops.attention import AttentionMetadata, KVCache, ref_ragged_paged_attention, row_layout
 
@@ -161,10 +162,35 @@ def _matrix() -> list[dict]:
                  num_kv_heads=2, seed=i) for i, (g, d, p, t) in enumerate(product)]
 
 
+_FACTORS = ("kind", "group", "head_dim", "page_size", "dtype")
+
+
+def _pairs(params: dict) -> set:
+    values = [(f, params[f]) for f in _FACTORS]
+    return {(a, b) for i, a in enumerate(values) for b in values[i + 1:]}
+
+
+def _pairwise(matrix: list[dict]) -> list[dict]:
+    """A subset of `matrix` in which every pair of values of two factors still meets (greedy:
+    each pick covers the most pairs not yet met). Interpret-mode kernels take ~2 s a case on
+    the 2-core CPU, so the default suite runs these and the slow run the whole matrix."""
+    missing = set().union(*(_pairs(c) for c in matrix))
+    chosen = []
+    while missing:
+        best = max(matrix, key=lambda c: len(_pairs(c) & missing))
+        chosen.append(best)
+        missing -= _pairs(best)
+    return chosen
+
+
 # Parameter sets for `make_case`, each with a readable id for pytest.
 MATRIX = _matrix()
 MATRIX_IDS = [f"{c['kind']}-g{c['group']}-d{c['head_dim']}-p{c['page_size']}-{c['dtype']}"
               for c in MATRIX]
+PAIRWISE = _pairwise(MATRIX)
+# The matrix for pytest.mark.parametrize: the pairwise cases by default, the rest slow.
+MATRIX_PARAMS = [pytest.param(c, id=name, marks=() if c in PAIRWISE else pytest.mark.slow)
+                 for c, name in zip(MATRIX, MATRIX_IDS, strict=True)]
 
 
 def case_from(params: dict) -> Case:

@@ -81,3 +81,10 @@ def test_running_fails_fast_when_the_server_exits(tmp_path):
         with bench_servers.running([sys.executable, "-c", "raise SystemExit(3)"],
                                    "http://127.0.0.1:9", "/", tmp_path / "log", timeout=60):
             pass
+
+
+def test_llama_server_keeps_q4_1_weights_out_of_ggml_amx_buffers_on_amx_cpus():
+    # The vendored llama.cpp segfaults in its AMX matmul on such a CPU (2026-11-24).
+    assert bench_servers.llama_cpp_workarounds("flags : avx2 amx_bf16 amx_int8 amx_tile") \
+        == ["--no-repack"]
+    assert bench_servers.llama_cpp_workarounds("flags : avx2 avx512f fma") == []

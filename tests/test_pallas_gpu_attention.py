@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from attention_cases import (
     LAYER,
-    MATRIX,
-    MATRIX_IDS,
+    MATRIX_PARAMS,
     NUM_LAYERS,
     Case,
     case_from,
@@ -60,7 +59,7 @@ def _long_case(page_size=16, seed=0) -> Case:
                 md, seqs)
 
 
-@pytest.mark.parametrize("params", MATRIX, ids=MATRIX_IDS)
+@pytest.mark.parametrize("params", MATRIX_PARAMS)
 def test_matches_reference(params):
     check_kernel(kernel, case_from(params))
 

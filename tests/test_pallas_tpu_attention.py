@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import MATRIX, MATRIX_IDS, case_from, check_kernel, make_case
+from attention_cases import MATRIX_PARAMS, case_from, check_kernel, make_case
 
 from ops.attention import KVCache, ref_ragged_paged_attention
 from ops.pallas_tpu_attention import pallas_tpu_ragged_paged_attention
@@ -23,7 +23,7 @@ def _small_case(**kw):
     return make_case("mixed", **params)
 
 
-@pytest.mark.parametrize("params", MATRIX, ids=MATRIX_IDS)
+@pytest.mark.parametrize("params", MATRIX_PARAMS)
 def test_matches_reference(params):
     check_kernel(kernel, case_from(params))
 
