@@ -169,6 +169,13 @@ class BlockManager:
                 self._free.move_to_end(old, last=False)
             self._hash_to_block[h] = block  # the newest copy wins
 
+    def num_cached_blocks_of(self, seq: Sequence) -> int:
+        """How many of seq's leading blocks are in the prefix cache (written and hashed)."""
+        n = 0
+        while n < len(seq.block_table) and self._hashes[seq.block_table[n]] is not None:
+            n += 1
+        return n
+
     # -- decode -------------------------------------------------------------------------------
 
     def can_append(self, seq: Sequence) -> bool:

@@ -135,7 +135,8 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             # Preempted while a step with its token was in flight: recompute it once known.
-            if seq.num_pending or not self.blocks.can_allocate(seq):
+            if (seq.num_pending or not self.blocks.can_allocate(seq)
+                    or self._waits_for_sibling(seq)):
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq)  # sets num_computed_tokens from prefix-cache hits
@@ -160,6 +161,18 @@ class Scheduler:
                 f"{len(self.running)} running sequences and {self.blocks.num_free_blocks} of "
                 f"{self.blocks.num_usable_blocks} KV blocks free")
         return SchedulerOutput(scheduled, preempted)
+
+    def _waits_for_sibling(self, seq: Sequence) -> bool:
+        """n > 1: the sequences of one request share their prompt. While a sibling computes
+        it, the others wait (a step or two), then find its full blocks in the prefix cache and
+        compute only the block of the last prompt token (never shared, see BlockManager)."""
+        shared = (seq.num_prompt_tokens - 1) // self.config.block_size  # blocks a hit can give
+        if (not self.blocks.enable_prefix_caching or shared == 0 or seq.num_output_tokens
+                or seq.params.n == 1):
+            return False
+        return any(other.request_id == seq.request_id
+                   and self.blocks.num_cached_blocks_of(other) < shared
+                   for other in self.running)
 
     def _trim_to_bucket(self, scheduled: list[ScheduledSeq]) -> None:
         """A step costs its padded bucket. When a prefill chunk takes a step just past a

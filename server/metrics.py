@@ -2,7 +2,9 @@
 
 Engine state (running and waiting requests, KV usage, prefix cache, preemptions,
 compilations after warmup, restarts) is read from each engine when scraped. Token
-counts and latencies are measured here, as outputs reach the HTTP layer.
+counts and latencies are measured here, as outputs reach the HTTP layer. The process's own
+figures (`process_resident_memory_bytes`, CPU seconds, open files) come from
+prometheus-client's process collector.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
@@ -68,6 +71,9 @@ class _EngineCollector:
 class ServerMetrics:
     def __init__(self, engines: Engines):
         self.registry = CollectorRegistry()
+        # The server process's own resident memory, CPU time and open files
+        # (process_resident_memory_bytes, ...), as prometheus-client reports them on Linux.
+        ProcessCollector(registry=self.registry)
         self.registry.register(_EngineCollector(engines))
         r, label = self.registry, ["model_name"]
         self.prompt_tokens = Counter("xlaserve:prompt_tokens", "Prompt tokens of accepted "

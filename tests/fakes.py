@@ -3,12 +3,14 @@ engine and server tests can compute every output by hand without compiling anyth
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
 import numpy as np
+import uvicorn
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, Engines
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepResult
@@ -71,6 +73,26 @@ def make_engine(tokenizer, name="fake", step=1, **over):
         return LLMEngine(c, runner=runners[-1], tokenizer=tokenizer)
 
     return AsyncEngine(cfg, factory), runners
+
+
+@contextlib.contextmanager
+def serving(engines: Engines, **app_options):
+    """A live server (uvicorn on 127.0.0.1, in a thread) for `engines`: yields its URL."""
+    from servers import free_port
+
+    from server.app import build_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engines, **app_options), host="127.0.0.1",
+                                           port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: server.started, timeout=30)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def wait_until(cond, timeout=5.0) -> bool:

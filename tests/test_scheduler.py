@@ -241,3 +241,48 @@ def test_overlap_on_and_off_agree_under_preemption_and_aborts(overlap):
         else:
             first = 100 * int(k[4:]) + 2 + 5 * int(k[4:])  # the prompt's last id
             assert reason == "length" and tokens == list(range(first + 1, first + 1 + len(tokens)))
+
+
+def _siblings(sched: Scheduler, n: int, prompt_len: int) -> list[Sequence]:
+    params = SamplingParams(max_tokens=4, n=n)
+    sibs = [Sequence(list(range(10, 10 + prompt_len)), params, 4, request_id="r")
+            for _ in range(n)]
+    for s in sibs:
+        sched.add(s)
+    return sibs
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_siblings_of_one_request_compute_their_prompt_once(prefix_caching):
+    """n = 3, a 22-token prompt (5 full blocks of 4 and 2 tokens): one sibling computes it,
+    the other two wait until its blocks are cached, then hit its 5 blocks and compute 2
+    tokens each (26 prompt tokens computed instead of 66). Without a prefix cache there is
+    nothing to share: all three start at once."""
+    sched = make()
+    sched.blocks.enable_prefix_caching = prefix_caching
+    a, b, c = _siblings(sched, 3, 22)
+    out = step(sched)
+    if not prefix_caching:  # b starts beside a, as far as the token budget goes
+        assert [(e.seq, e.num_new_tokens) for e in out.scheduled] == [(a, 22), (b, 10)]
+    else:
+        while [e.seq for e in out.scheduled] == [a]:  # a's prompt, in chunks
+            assert list(sched.waiting) == [b, c]
+            out = step(sched)
+        # Once a's 5 full blocks are cached, b and c start from them.
+        assert [(e.seq, e.start, e.num_new_tokens) for e in out.scheduled][1:] == [
+            (b, 20, 2), (c, 20, 2)]
+        assert b.num_cached_tokens == c.num_cached_tokens == 20
+    computed = sum(s.num_prompt_tokens - s.num_cached_tokens for s in (a, b, c))
+    assert computed == (22 + 2 + 2 if prefix_caching else 3 * 22)
+    while sched.has_unfinished():
+        step(sched)
+    assert [s.output_token_ids for s in (a, b, c)] == [[7] * 4] * 3
+    assert sched.blocks.num_free_blocks == sched.blocks.num_usable_blocks
+
+
+def test_a_sibling_never_waits_for_one_that_cannot_give_it_anything():
+    """Siblings of a prompt shorter than a block (nothing to share) start together."""
+    sched = make()
+    sched.blocks.enable_prefix_caching = True
+    a, b = _siblings(sched, 2, 3)
+    assert [e.seq for e in step(sched).scheduled] == [a, b]
