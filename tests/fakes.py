@@ -34,7 +34,14 @@ class FakeRunner:
         self.gate.set()
         self.calls, self.pause_after = 0, None  # pause_after: block from that call on
         self.paused = threading.Event()  # set once a call has blocked on pause_after
+        self.unpaused = False  # unpause() came first: the pause no longer happens
         self.last = np.zeros(1024, np.int32)  # each slot's last sampled token (a device's)
+
+    def unpause(self):
+        """Unblock a paused step, or cancel the pause if no step has reached it yet (a
+        plain gate.set() before the pause would be undone by the pausing step's clear())."""
+        self.unpaused = True
+        self.gate.set()
 
     def warmup(self):
         self.warm = True
@@ -48,7 +55,7 @@ class FakeRunner:
 
     def run(self, batch):
         self.calls += 1
-        if self.calls == self.pause_after:
+        if self.calls == self.pause_after and not self.unpaused:
             self.gate.clear()
             self.paused.set()
         self.gate.wait()

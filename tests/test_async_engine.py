@@ -91,7 +91,7 @@ def test_leaving_the_stream_aborts_and_frees_blocks(tokenizer):
 
     try:
         asyncio.run(asyncio.wait_for(main(), 30))  # a stall fails the test, never hangs it
-        runners[0].gate.set()
+        runners[0].unpause()
         assert wait_until(lambda: not engine.engine.has_unfinished() and all_free(engine))
         seq = seen["req"].seqs[0]
         assert seq.finish_reason == "abort" and seq.num_output_tokens < 100

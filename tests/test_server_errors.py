@@ -243,6 +243,9 @@ def test_engine_failure_mid_stream_is_an_error_event_then_done(served):
                 continue
             events.append(line)
             if len(events) == 2:
+                # Release it only once it is stuck there: set earlier, the gate would be
+                # cleared again by the stalling step and nothing would ever release it.
+                assert runners[0].paused.wait(30)
                 runners[0].fail_next = True  # ... and fail there
                 runners[0].gate.set()
     assert events[-1] == "data: [DONE]"

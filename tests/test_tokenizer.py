@@ -65,7 +65,7 @@ def ours(default_gguf):
 
 @pytest.fixture(scope="module")
 def theirs(default_gguf):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     return transformers.AutoTokenizer.from_pretrained(str(default_gguf.parent),
                                                       gguf_file=default_gguf.name)
 
@@ -147,7 +147,7 @@ def test_save_pretrained_round_trips(ours, theirs, tmp_path):
     ours.save_pretrained(tmp_path)
     _assert_same(Tokenizer.from_path(tmp_path), ours, STRINGS)
     # transformers reads the saved files as the same tokenizer too.
-    transformers = pytest.importorskip("transformers")
+    import transformers
     reloaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     for s in STRINGS[::10]:
         assert reloaded.encode(s) == theirs.encode(s)
@@ -179,7 +179,7 @@ def _sp_strings() -> list[str]:
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory):
     """A tiny Llama-style sentencepiece BPE model: byte fallback, no normalization."""
-    spm = pytest.importorskip("sentencepiece")
+    import sentencepiece as spm
     out = tmp_path_factory.mktemp("sp")
     rng = random.Random(0)
     corpus = [" ".join(rng.choice(SP_CORPUS_WORDS) for _ in range(rng.randint(3, 15)))
@@ -227,7 +227,7 @@ def test_tokenizer_model_directory_added_tokens(sp_model, tmp_path):
 
 
 def _write_llama_gguf(path, sp, **overrides):
-    gguf = pytest.importorskip("gguf")
+    import gguf
     types = []
     for i in range(sp.get_piece_size()):
         kind = (gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL

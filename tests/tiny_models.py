@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 
 def save_tiny_hf(path: Path, *, qwen2: bool = False, **extra) -> Path:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 
