@@ -76,7 +76,7 @@ class RequestStream:
         self._closed = False
 
     def put(self, item) -> None:  # engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        RequestStream.put_all([(self, item)])
 
     @staticmethod
     def put_all(items: list[tuple[RequestStream, object]]) -> None:  # engine thread

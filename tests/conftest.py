@@ -21,6 +21,14 @@ def default_gguf():
     return fetch_default_model(quiet=True)
 
 
+@pytest.fixture(scope="session")
+def tokenizer(default_gguf):
+    """The default model's tokenizer (fake engines and HTTP tests use it too)."""
+    from models.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(default_gguf)
+
+
 SERVER_KEY = "sk-xlaserve-test"
 # The live server's limits (the in-process engine of the parity test uses the same).
 SERVER_LIMITS = {"max_model_len": 512, "max_num_seqs": 16, "max_num_batched_tokens": 64}

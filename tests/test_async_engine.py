@@ -21,13 +21,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_gguf):
-    from models.tokenizer import Tokenizer
-
-    return Tokenizer.from_path(default_gguf)
-
-
 async def collect(engine, prompt, params):
     outs = []
     async for out in engine.generate(prompt, params):

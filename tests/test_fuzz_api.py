@@ -20,13 +20,6 @@ SENT: list[int] = []  # status of every generated request, in order
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_gguf):
-    from models.tokenizer import Tokenizer
-
-    return Tokenizer.from_path(default_gguf)
-
-
-@pytest.fixture(scope="module")
 def live_fake_server(tokenizer):
     """(base URL, AsyncEngine) of a live server for one fake model named "fake"."""
     engine, _ = make_engine(tokenizer, name="fake", max_waiting_requests=64)

@@ -17,13 +17,6 @@ KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_gguf):
-    from models.tokenizer import Tokenizer
-
-    return Tokenizer.from_path(default_gguf)
-
-
 @pytest.fixture
 def served(tokenizer):
     """(client, engine, runners) for one fake model named 'fake', behind an API key."""

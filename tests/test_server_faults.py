@@ -9,19 +9,11 @@ import asyncio
 import json
 
 import httpx
-import pytest
 from fakes import make_engine, serving, wait_until
 
 from engine.async_engine import Engines
 
 NUM_STREAMS = 24
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_gguf):
-    from models.tokenizer import Tokenizer
-
-    return Tokenizer.from_path(default_gguf)
 
 
 async def _stream(client: httpx.AsyncClient, prompt: list[int], first: asyncio.Event,

@@ -23,13 +23,6 @@ def client(live_server):
     return openai.OpenAI(base_url=f"{live_server}/v1", api_key=SERVER_KEY, max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_gguf):
-    from models.tokenizer import Tokenizer
-
-    return Tokenizer.from_path(default_gguf)
-
-
 def metrics(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {SERVER_KEY}"}).text
     out = {}

@@ -16,7 +16,7 @@ import re
 import httpx
 import pytest
 from conftest import SERVER_KEY
-from test_server_openai import idle, metrics
+from test_server_openai import idle, metrics, wait_for
 
 from models.default_model import SERVED_NAME
 
@@ -120,18 +120,8 @@ def _run_and_check(live_server, num_requests: int, concurrency: int, seed: int) 
     assert rss["end"] <= 1.10 * rss["half"], rss  # no growth over the second half
     # Aborted streams are freed by the engine thread shortly after the client leaves: wait on
     # that state, then every KV block is back.
-    assert asyncio.run(_until_idle(live_server)), metrics(live_server)
+    assert asyncio.run(wait_for(lambda: idle(live_server), 60)), metrics(live_server)
     assert metrics(live_server)["kv_cache_usage_perc"] == 0
-
-
-async def _until_idle(url: str, timeout: float = 60.0) -> bool:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while loop.time() < end:
-        if idle(url):
-            return True
-        await asyncio.sleep(0.1)
-    return False
 
 
 def test_a_bounded_soak_ends_every_request_and_holds_nothing(live_server):
