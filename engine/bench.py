@@ -41,7 +41,9 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, StepResult
 from engine.sampling_params import SamplingParams
+from models.llama import weight
 from ops.attention import BACKENDS
+from ops.quantization import linear
 
 
 def _best(fn, repeats: int) -> float:
@@ -72,19 +74,18 @@ def dense_seconds(runner: ModelRunner, num_tokens: int = 1, repeats: int = 30) -
     model = nnx.merge(runner.graphdef, runner.state)
     cfg = model.cfg
     layers = nnx.to_pure_dict(nnx.state(model.layers))
-    head = model.embed[...].T if cfg.tie_word_embeddings else model.lm_head[...]
+    head = weight(model.top_params(), "embed" if cfg.tie_word_embeddings else "lm_head")
 
     @jax.jit
     def dense(layers, head, x):
         def layer(x, p):
-            q = jnp.einsum("te,ehd->thd", x, p["wq"])
-            k = jnp.einsum("te,ehd->thd", x, p["wk"])
-            v = jnp.einsum("te,ehd->thd", x, p["wv"])
-            x = x + jnp.einsum("thd,hde->te", q, p["wo"]) + k.mean() + v.mean()
-            return x + (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"], None
+            q, k, v = (linear(x, weight(p, w)) for w in ("wq", "wk", "wv"))
+            x = x + linear(q, weight(p, "wo")) + k.mean() + v.mean()
+            gate = jax.nn.silu(linear(x, weight(p, "w_gate")))
+            return x + linear(gate * linear(x, weight(p, "w_up")), weight(p, "w_down")), None
 
         x, _ = jax.lax.scan(layer, x, layers)
-        return jnp.dot(x, head, preferred_element_type=jnp.float32)
+        return linear(x, head, jnp.float32)
 
     x = jnp.ones((num_tokens, cfg.hidden_size), runner.dtype) * 0.01
     return _best(lambda: dense(layers, head, x).block_until_ready(), repeats)
@@ -98,7 +99,8 @@ class _IdsOnly:
 
 
 def build_engine(args) -> LLMEngine:
-    common = dict(dtype=args.dtype, max_model_len=args.max_model_len,
+    common = dict(dtype=args.dtype, quantization=args.quantization,
+                  max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, attention_backend=args.attention_backend,
@@ -114,7 +116,7 @@ def build_engine(args) -> LLMEngine:
         mesh = make_mesh(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else None
         model = random_model(preset_config(args.config), resolve_dtype(args.dtype),
                              seed=args.seed, attention_backend=args.attention_backend,
-                             mesh=mesh)
+                             mesh=mesh, quantization=args.quantization)
         return LLMEngine(cfg, runner=ModelRunner(cfg, model=model), tokenizer=_IdsOnly(),
                          detokenize=False)
     from models.default_model import fetch_default_model
@@ -310,6 +312,8 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=None, help="default: all at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization (int8 per channel, int4 in groups of 32)")
     defaults = EngineConfig(model="")
     p.add_argument("--max-model-len", type=int, default=None,
                    help=f"default: the engine's ({defaults.max_model_len}), or input + output "
@@ -355,6 +359,7 @@ def main(argv=None) -> int:
     res = {"device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
            "host": platform.processor() or platform.machine(), "jax": jax.__version__,
            "model": engine.config.model, "dtype": str(np.dtype(engine.runner.dtype)),
+           "quantization": args.quantization,
            "warmup_s": warmup_s, "num_executables": len(engine.config.buckets()), **ceilings,
            "dense_t1_ms": dense_t1 * 1e3,
            **summarize(engine, timings, duration, ceilings), "args": vars(args)}

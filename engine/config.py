@@ -19,6 +19,7 @@ class EngineConfig:
     model: str                          # path of a GGUF file, HF directory or Orbax checkpoint
     name: str | None = None             # served model name (default: derived from the path)
     dtype: str = "auto"                 # float32 | bfloat16 | auto
+    quantization: str | None = None     # None | int8 | int4: weight-only (ops/quantization.py)
     max_model_len: int = 2048           # prompt + output tokens per sequence
     max_num_seqs: int = 64              # sequences per step
     max_num_batched_tokens: int = 512   # tokens per step (prefill chunks + decodes)
@@ -44,6 +45,9 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
                              f"least max_num_seqs ({self.max_num_seqs})")
+        if self.quantization not in (None, "none", "int8", "int4"):
+            raise ValueError(f"quantization must be none, int8 or int4, "
+                             f"got {self.quantization!r}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (page 0 is reserved), "
                              f"got {self.num_blocks}")

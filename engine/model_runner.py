@@ -38,7 +38,7 @@ from engine.batch import (
     sampling_layout,
 )
 from engine.config import EngineConfig
-from models.loader import load_config, load_model, resolve_dtype
+from models.loader import describe_quant, load_config, load_model, resolve_dtype
 from models.progress import progress_bar
 from models.sharding import kv_cache_sharding, make_mesh, replicated, sharded_config
 from ops.attention import AttentionMetadata, KVCache
@@ -107,11 +107,12 @@ class ModelRunner:
                     load_config(config.model), config.tensor_parallel_size),
                     resolve_dtype(config.dtype), mesh)
                 model = load_model(config.model, dtype=config.dtype,
-                                   attention_backend=config.attention_backend, mesh=mesh)
+                                   attention_backend=config.attention_backend, mesh=mesh,
+                                   quantization=config.quantization)
                 kv = kv.result()
         self.mesh = model.mesh
         self.model_config = model.cfg  # with a mesh: KV heads repeated up to its size if fewer
-        self.dtype = model.embed[...].dtype
+        self.dtype = model.dtype
         self.graphdef, self.state = nnx.split(model)
         self.kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
         if kv is None or (kv.k.shape, kv.k.dtype) != (self._kv_shape(self.model_config),
@@ -125,10 +126,11 @@ class ModelRunner:
             jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat)
         self.num_stored_loads = 0  # executables deserialized from the store, not compiled
         logger.info(
-            "%s: %s weights, %s attention, max_model_len %d, max_num_seqs %d, "
+            "%s: %s weights%s, %s attention, max_model_len %d, max_num_seqs %d, "
             "max_num_batched_tokens %d, %d KV pages of %d tokens (%d tokens, %.2f GiB); "
             "executables: a body per token count %s, a head per sequence count %s",
-            config.name or config.model, np.dtype(self.dtype).name, model.attention_backend,
+            config.name or config.model, np.dtype(self.dtype).name,
+            describe_quant(dict(model.quant)), model.attention_backend,
             config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
             config.total_blocks, config.block_size, config.total_blocks * config.block_size,
             self.kv_bytes() / 2**30, list(config.token_buckets), list(config.seq_buckets))

@@ -9,11 +9,12 @@ from models.loader import load_config, load_host_params, resolve_dtype
 from models.tokenizer import Tokenizer
 
 
-def convert(src: str | Path, dst: str | Path, dtype: str = "float32") -> Path:
+def convert(src: str | Path, dst: str | Path, dtype: str = "float32",
+            quantization: str | None = None) -> Path:
     jdtype = resolve_dtype(dtype)
     cfg = load_config(src)
-    params = load_host_params(src, cfg, jdtype)
+    params, quant = load_host_params(src, cfg, jdtype, quantization)
     dst = Path(dst)
     Tokenizer.from_path(src).save_pretrained(dst)
-    checkpoint.save_checkpoint(dst, cfg, params, jdtype)
+    checkpoint.save_checkpoint(dst, cfg, params, jdtype, quant)
     return dst

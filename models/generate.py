@@ -28,7 +28,7 @@ class GreedyDecoder:
         self.num_pages = -(-max_len // page_size)
         self.max_len = self.num_pages * page_size
         self.graphdef, self.state = nnx.split(model)
-        self.dtype = model.embed[...].dtype
+        self.dtype = model.dtype
         self.kv_sharding = None if model.mesh is None else kv_cache_sharding(model.mesh)
 
         def step(state, tokens, positions, cache, md, logits_indices):
@@ -106,6 +106,8 @@ def main(argv=None) -> int:
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
+                        help="weight-only quantization (ops/quantization.py)")
     args = parser.parse_args(argv)
 
     path = args.model or fetch_default_model()
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
         text = ChatTemplate.for_tokenizer(tokenizer).render(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True)
         ids = tokenizer.encode(text, add_special_tokens=False)
-    decoder = GreedyDecoder(load_model(path, dtype=args.dtype),
+    decoder = GreedyDecoder(load_model(path, dtype=args.dtype, quantization=args.quantization),
                             max_len=len(ids) + args.max_tokens)
     detok = IncrementalDetokenizer(tokenizer, prompt_ids=ids)
     cache = decoder.new_cache()

@@ -1,7 +1,10 @@
-"""GGUF weights: llama.cpp tensor names -> HF names, dequantized with the `gguf` package.
+"""GGUF weights: llama.cpp tensor names -> HF names; blocks kept or dequantized.
 
-llama.cpp's converter permutes the rows of Llama's Q and K projections (to interleave
-rotary pairs); we undo it so the weights are in the HF rotate-half layout.
+Q8_0, Q4_0 and Q4_1 blocks are exactly our group-32 formats (ops/quantization.py): under
+`--quantization` they are taken over value for value, straight from the file's bytes. Every
+other tensor, and every tensor when no quantization is asked for, is dequantized with the
+`gguf` package. llama.cpp's converter permutes the rows of Llama's Q and K projections (to
+interleave rotary pairs); we undo it so the weights are in the HF rotate-half layout.
 """
 
 from __future__ import annotations
@@ -14,7 +17,15 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.gguf_file import GGUFError, open_gguf, read_metadata
-from models.weights import WeightError, assemble_params
+from models.weights import WeightError, assemble_params, hf_tensor_rules, quant_plan
+from ops.quantization import QuantFormat
+
+# GGUF block types that are our formats: type -> (format, bytes per block of 32 values).
+KEPT = {
+    gguf.GGMLQuantizationType.Q8_0: (QuantFormat(8, 32), 34),        # f16 d, 32 x int8
+    gguf.GGMLQuantizationType.Q4_0: (QuantFormat(4, 32), 18),        # f16 d, 16 B of nibbles
+    gguf.GGMLQuantizationType.Q4_1: (QuantFormat(4, 32, True), 20),  # f16 d, f16 m, nibbles
+}
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -65,22 +76,66 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf_params(path: str | Path, cfg: ModelConfig, dtype) -> dict:
+def repack(raw: np.ndarray, tensor_type, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """A Q8_0 / Q4_0 / Q4_1 tensor's bytes -> {"q": int8 [O, I], "scale" (and "min"):
+    float32 [O, I / 32]}, with `w = q * scale (+ min)` equal to the gguf package's
+    dequantization bit for bit. The values never pass through a float."""
+    fmt, block_bytes = KEPT[tensor_type]
+    *lead, cols = shape
+    blocks = raw.reshape(-1, block_bytes)
+    f16 = lambda lo, hi: np.ascontiguousarray(blocks[:, lo:hi]).view(np.float16)
+    groups = (*lead, cols // 32)
+    if fmt.bits == 8:
+        q = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)
+    else:  # nibbles: byte j holds value j (low) and value j + 16 (high) of the block
+        nibbles = blocks[:, -16:]
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1).astype(np.int8)
+        if not fmt.has_min:
+            q -= 8  # Q4_0: w = d * (nibble - 8)
+    out = {"q": q.reshape(shape), "scale": f16(0, 2).astype(np.float32).reshape(groups)}
+    if fmt.has_min:
+        out["min"] = f16(2, 4).astype(np.float32).reshape(groups)
+    return out
+
+
+def load_gguf_params(path: str | Path, cfg: ModelConfig, dtype,
+                     quantization: str | None = None) -> tuple[dict, dict]:
+    """(parameters on the host, the quantization plan: models/weights.py quant_plan)."""
     reader = open_gguf(path)
     permuted = cfg.architecture == "LlamaForCausalLM"  # llama.cpp permutes Q/K for llama only
+    rules = hf_tensor_rules(cfg)
+    stored: dict[str, set] = {}
+    for tensor in reader.tensors:
+        rule = rules.get(hf_name(tensor.name) or "")
+        if rule is not None:
+            stored.setdefault(rule.target, set()).add(KEPT.get(tensor.tensor_type, (None,))[0])
+    quant = quant_plan(cfg, quantization, stored)
 
-    def loader(tensor):
+    def loader(tensor, target):
         def load():
-            w = gguf.dequantize(reader.raw(tensor), tensor.tensor_type)
-            expected = int(np.prod(tensor.shape))
-            if w.size != expected:
-                raise WeightError(f"{path}: tensor {tensor.name!r} holds {w.size} values, "
-                                  f"expected {expected} (truncated file?)")
-            w = w.reshape(tuple(reversed(tensor.shape)))
+            shape = tuple(reversed(tensor.shape))
+            raw = reader.raw(tensor)
+            expected = int(np.prod(shape))
+            kept = KEPT.get(tensor.tensor_type)
+            if kept is not None and quant.get(target) == kept[0]:
+                if raw.size * 32 != expected * kept[1]:
+                    raise WeightError(f"{path}: tensor {tensor.name!r} has {raw.size} bytes, "
+                                      f"expected {expected * kept[1] // 32} (truncated file?)")
+                w = repack(raw, tensor.tensor_type, shape)
+            else:
+                w = gguf.dequantize(raw, tensor.tensor_type)
+                if w.size != expected:
+                    raise WeightError(f"{path}: tensor {tensor.name!r} holds {w.size} values, "
+                                      f"expected {expected} (truncated file?)")
+                w = w.reshape(shape)
+            heads = None
             if permuted and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
-                w = unpermute_rows(w, cfg.num_heads)
+                heads = cfg.num_heads
             elif permuted and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
-                w = unpermute_rows(w, cfg.num_kv_heads)
+                heads = cfg.num_kv_heads
+            if heads is not None:
+                w = ({k: unpermute_rows(v, heads) for k, v in w.items()} if isinstance(w, dict)
+                     else unpermute_rows(w, heads))
             return w
         return load
 
@@ -91,5 +146,7 @@ def load_gguf_params(path: str | Path, cfg: ModelConfig, dtype) -> dict:
             if tensor.name == "rope_freqs.weight":
                 continue
             raise WeightError(f"{path}: unexpected tensor {tensor.name!r}")
-        items.append((name, tensor.name, loader(tensor)))
-    return assemble_params(cfg, items, source=str(path), dtype=dtype, total=len(items))
+        rule = rules.get(name)
+        items.append((name, tensor.name, loader(tensor, rule.target if rule else None)))
+    return assemble_params(cfg, items, source=str(path), dtype=dtype, quant=quant,
+                           total=len(items)), quant

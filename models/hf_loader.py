@@ -10,7 +10,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from models.config import ModelConfig
-from models.weights import WeightError, assemble_params
+from models.weights import WeightError, assemble_params, quant_plan
 
 
 def safetensors_files(directory: str | Path) -> list[Path]:
@@ -32,7 +32,10 @@ def safetensors_files(directory: str | Path) -> list[Path]:
     return files
 
 
-def load_hf_params(directory: str | Path, cfg: ModelConfig, dtype) -> dict:
+def load_hf_params(directory: str | Path, cfg: ModelConfig, dtype,
+                   quantization: str | None = None) -> tuple[dict, dict]:
+    """(parameters on the host, the quantization plan: models/weights.py quant_plan)."""
+    quant = quant_plan(cfg, quantization)
     files = safetensors_files(directory)
     items = []
     for file in files:
@@ -43,7 +46,8 @@ def load_hf_params(directory: str | Path, cfg: ModelConfig, dtype) -> dict:
             raise WeightError(f"{file}: cannot open safetensors file ({e})") from e
         for name in f.keys():
             items.append((name, f"{name} in {file.name}", lambda f=f, n=name: _host(f, n)))
-    return assemble_params(cfg, items, source=str(directory), dtype=dtype, total=len(items))
+    return assemble_params(cfg, items, source=str(directory), dtype=dtype, quant=quant,
+                           total=len(items)), quant
 
 
 def _host(handle, name: str) -> np.ndarray:

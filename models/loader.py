@@ -62,20 +62,25 @@ def load_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_hf_dir(path)
 
 
-def load_host_params(path: str | Path, cfg: ModelConfig, dtype) -> dict:
-    """Parameters as host numpy arrays (GGUF and HF sources only)."""
+def load_host_params(path: str | Path, cfg: ModelConfig, dtype,
+                     quantization: str | None = None) -> tuple[dict, dict]:
+    """Parameters as host numpy arrays (GGUF and HF sources only), and the quantization
+    plan they follow (models/weights.py quant_plan)."""
     fmt = model_format(path)
     if fmt == "gguf":
-        return load_gguf_params(path, cfg, dtype)
+        return load_gguf_params(path, cfg, dtype, quantization)
     if fmt == "hf":
-        return load_hf_params(path, cfg, dtype)
+        return load_hf_params(path, cfg, dtype, quantization)
     raise ValueError(f"{path}: host loading is for GGUF and HF sources, not {fmt}")
 
 
 def load_model(path: str | Path, dtype: str | None = None,
-               attention_backend: str = "reference", mesh=None) -> Llama:
+               attention_backend: str = "reference", mesh=None,
+               quantization: str | None = None) -> Llama:
     """Load weights from any supported source onto the default device, or with a
-    tensor-parallel `mesh` straight into their shards (models/sharding.py)."""
+    tensor-parallel `mesh` straight into their shards (models/sharding.py). `quantization`
+    ("int8", "int4"; ops/quantization.py) quantizes the matrices as they load; an Orbax
+    checkpoint holds its own (scripts/convert.py --quantization) and takes no other."""
     jdtype = resolve_dtype(dtype)
     start = time.perf_counter()
     cfg = run_cfg = load_config(path)
@@ -84,16 +89,32 @@ def load_model(path: str | Path, dtype: str | None = None,
         run_cfg = sharded_config(cfg, mesh.shape[TENSOR_AXIS])
         repeats = run_cfg.num_kv_heads // cfg.num_kv_heads
     if model_format(path) == "orbax":
-        shardings = None if mesh is None else param_shardings(cfg, mesh)
+        quant = checkpoint.checkpoint_quant(path)
+        if quantization not in (None, "none") and not quant:
+            raise ValueError(f"{path}: this checkpoint holds float weights; quantize it with "
+                             f"scripts/convert.py --quantization {quantization}")
+        shardings = None if mesh is None else param_shardings(cfg, mesh, quant)
         params = checkpoint.load_checkpoint_params(path, cfg, jdtype, shardings)  # on device
         if repeats > 1:  # from replicated KV heads to one (repeated) head per device
-            params = jax.jit(functools.partial(repeat_kv_heads, repeats=repeats, xp=jnp),
-                             out_shardings=param_shardings(run_cfg, mesh))(params)
+            repeat = functools.partial(repeat_kv_heads, repeats=repeats,
+                                       head_dim=cfg.head_dim, xp=jnp)
+            params = jax.jit(repeat, out_shardings=param_shardings(run_cfg, mesh, quant))(params)
     else:
-        params = repeat_kv_heads(load_host_params(path, cfg, jdtype), repeats)
-    model = build_model(run_cfg, params, jdtype, attention_backend, mesh)
+        params, quant = load_host_params(path, cfg, jdtype, quantization)
+        params = repeat_kv_heads(params, repeats, cfg.head_dim)
+    model = build_model(run_cfg, params, jdtype, attention_backend, mesh, quant)
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
-    logger.info("Loaded %s (%s, %s) in %.2fs", path, cfg.architecture,
-                jnp.dtype(jdtype).name, time.perf_counter() - start)
+    logger.info("Loaded %s (%s, %s%s) in %.2fs", path, cfg.architecture,
+                jnp.dtype(jdtype).name, describe_quant(quant), time.perf_counter() - start)
     return model
+
+
+def describe_quant(quant: dict) -> str:
+    """', weights int4 (group 32, with minimums) x 7, int8 (group 32)' or ''."""
+    if not quant:
+        return ""
+    counts: dict[str, int] = {}
+    for fmt in quant.values():
+        counts[fmt.name] = counts.get(fmt.name, 0) + 1
+    return ", weights " + ", ".join(f"{name} x {n}" for name, n in counts.items())
 

@@ -73,20 +73,22 @@ def sharded_config(cfg: ModelConfig, size: int) -> ModelConfig:
     return dataclasses.replace(cfg, num_kv_heads=kv_heads_for(cfg, size))
 
 
-def repeat_kv_heads(params: dict, repeats: int, xp=np) -> dict:
-    """Repeat each KV head `repeats` times in wk/wv (and their biases): head j of the result
-    is head j // repeats of the input, which keeps query head h reading KV head
-    h // (H / K) of the original model."""
+def repeat_kv_heads(params: dict, repeats: int, head_dim: int, xp=np) -> dict:
+    """Repeat each KV head `repeats` times in wk/wv and their biases (and quantization
+    scales): rows of head j of the result are those of head j // repeats of the input, which
+    keeps query head h reading KV head h // (H / K) of the original model."""
     if repeats == 1:
         return params
     layers = dict(params["layers"])
-    for name, axis in (("wk", 2), ("wv", 2), ("bk", 1), ("bv", 1)):
-        if name in layers:
-            layers[name] = xp.repeat(layers[name], repeats, axis=axis)
+    for name, x in params["layers"].items():
+        if name.split("_")[0] in ("wk", "wv", "bk", "bv"):  # [L, K * D, ...]
+            L, rows, *rest = x.shape
+            heads = x.reshape(L, rows // head_dim, head_dim, *rest)
+            layers[name] = xp.repeat(heads, repeats, axis=1).reshape(L, rows * repeats, *rest)
     return {**params, "layers": layers}
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
+def param_shardings(cfg: ModelConfig, mesh: Mesh, quant: dict | None = None) -> dict:
     """Nested like the model's state: the NamedSharding of every parameter. KV heads too
     few to split (before `repeat_kv_heads`) are replicated."""
     from models.weights import nest  # models.weights places parameters with these
@@ -98,7 +100,7 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
     if cfg.vocab_size % size:
         rules["vocab"] = None
     return nest({name: NamedSharding(mesh, PartitionSpec(*(rules[a] for a in spec.axes)))
-                 for name, spec in param_specs(cfg).items()})
+                 for name, spec in param_specs(cfg, quant).items()})
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:

@@ -1,10 +1,10 @@
 """From checkpoint tensors to our parameters: the HF name map, shape checks, and assembly.
 
-Every source (HF safetensors, GGUF) is first expressed in HF names and HF layout;
-`hf_tensor_rules` says, for each HF tensor, where it goes in `param_specs`, what
-shape it must have, and how to transpose it. Assembly fills one host buffer per
-parameter (already in the target dtype) and reports any missing or mis-shaped
-tensor by name.
+Every source (HF safetensors, GGUF) is first expressed in HF names and HF layout, which is
+ours too ([out, in] matrices); `hf_tensor_rules` says, for each HF tensor, where it goes in
+`param_specs` and what shape it must have. Assembly fills one host buffer per parameter
+(already in the target dtype, or quantized: ops/quantization.py) and reports any missing or
+mis-shaped tensor by name.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
-from models.llama import Llama, param_specs
+from models.llama import QUANTIZABLE, Llama, param_specs
 from models.progress import progress_bar
+from ops.quantization import QuantFormat, dequantize, quantize, scheme_format
 
 
 class WeightError(ValueError):
@@ -31,43 +32,60 @@ class WeightError(ValueError):
 class TensorRule:
     target: str                 # our parameter name (see param_specs)
     layer: int | None           # slice of the stacked parameter, or None
-    shape: tuple[int, ...]      # expected shape in the HF layout
-    to_ours: Callable[[np.ndarray], np.ndarray]
+    shape: tuple[int, ...]      # expected shape, HF's and ours
 
 
 def hf_tensor_rules(cfg: ModelConfig) -> dict[str, TensorRule]:
     E, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    same = lambda w: w
-    t = lambda w: w.T
     rules = {
-        "model.embed_tokens.weight": TensorRule("embed", None, (V, E), same),
-        "model.norm.weight": TensorRule("final_norm", None, (E,), same),
+        "model.embed_tokens.weight": TensorRule("embed", None, (V, E)),
+        "model.norm.weight": TensorRule("final_norm", None, (E,)),
     }
     if not cfg.tie_word_embeddings:
-        rules["lm_head.weight"] = TensorRule("lm_head", None, (V, E), t)
+        rules["lm_head.weight"] = TensorRule("lm_head", None, (V, E))
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         layer = {
-            "input_layernorm.weight": ("attn_norm", (E,), same),
-            "self_attn.q_proj.weight": ("wq", (H * D, E), lambda w: w.T.reshape(E, H, D)),
-            "self_attn.k_proj.weight": ("wk", (K * D, E), lambda w: w.T.reshape(E, K, D)),
-            "self_attn.v_proj.weight": ("wv", (K * D, E), lambda w: w.T.reshape(E, K, D)),
-            "self_attn.o_proj.weight": ("wo", (E, H * D), lambda w: w.T.reshape(H, D, E)),
-            "post_attention_layernorm.weight": ("mlp_norm", (E,), same),
-            "mlp.gate_proj.weight": ("w_gate", (F, E), t),
-            "mlp.up_proj.weight": ("w_up", (F, E), t),
-            "mlp.down_proj.weight": ("w_down", (E, F), t),
+            "input_layernorm.weight": ("attn_norm", (E,)),
+            "self_attn.q_proj.weight": ("wq", (H * D, E)),
+            "self_attn.k_proj.weight": ("wk", (K * D, E)),
+            "self_attn.v_proj.weight": ("wv", (K * D, E)),
+            "self_attn.o_proj.weight": ("wo", (E, H * D)),
+            "post_attention_layernorm.weight": ("mlp_norm", (E,)),
+            "mlp.gate_proj.weight": ("w_gate", (F, E)),
+            "mlp.up_proj.weight": ("w_up", (F, E)),
+            "mlp.down_proj.weight": ("w_down", (E, F)),
         }
         if cfg.attention_bias:
             layer |= {
-                "self_attn.q_proj.bias": ("bq", (H * D,), lambda b: b.reshape(H, D)),
-                "self_attn.k_proj.bias": ("bk", (K * D,), lambda b: b.reshape(K, D)),
-                "self_attn.v_proj.bias": ("bv", (K * D,), lambda b: b.reshape(K, D)),
+                "self_attn.q_proj.bias": ("bq", (H * D,)),
+                "self_attn.k_proj.bias": ("bk", (K * D,)),
+                "self_attn.v_proj.bias": ("bv", (K * D,)),
             }
-        for name, (target, shape, fn) in layer.items():
-            rules[p + name] = TensorRule(f"layers.{target}", i, shape, fn)
+        for name, (target, shape) in layer.items():
+            rules[p + name] = TensorRule(f"layers.{target}", i, shape)
     return rules
+
+
+def quant_plan(cfg: ModelConfig, quantization: str | None,
+               stored: dict[str, set] | None = None) -> dict[str, QuantFormat]:
+    """Which matrices are quantized, and how. `stored`: our parameter name -> the formats its
+    source tensors already have (a QuantFormat, or None for float). A parameter whose every
+    tensor is stored in one format that we take over losslessly keeps it (GGUF Q8_0, Q4_0,
+    Q4_1, whichever scheme was asked for: requantizing would only lose); the others get the
+    scheme's format. None or "none": every weight in float."""
+    if quantization in (None, "none"):
+        return {}
+    target = scheme_format(quantization)
+    plan = {}
+    for name in QUANTIZABLE:
+        if name == "lm_head" and cfg.tie_word_embeddings:
+            continue
+        formats = (stored or {}).get(name, {None})
+        kept = next(iter(formats)) if len(formats) == 1 else None
+        plan[name] = kept if kept is not None else target
+    return plan
 
 
 # HF tensors that carry no parameter of ours and may be skipped.
@@ -78,21 +96,24 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
 
 def assemble_params(
     cfg: ModelConfig,
-    tensors: Iterable[tuple[str, str, Callable[[], np.ndarray]]],
+    tensors: Iterable[tuple[str, str, Callable[[], np.ndarray | dict]]],
     *,
     source: str,
     dtype,
+    quant: dict[str, QuantFormat] | None = None,
     total: int | None = None,
 ) -> dict:
     """Build the pure parameter dict (nested like the model's state) on the host.
 
-    `tensors` yields (hf_name, display_name, load) where `load()` returns the tensor in
-    HF layout; `display_name` is the name as the source file spells it (for errors).
-    """
+    `tensors` yields (hf_name, display_name, load) where `load()` returns the tensor in HF
+    layout: a float array, or already quantized parts {"q", "scale"[, "min"]} in a format
+    of `quant`; `display_name` is the name as the source file spells it (for errors).
+    Matrices named in `quant` are quantized here when they arrive in float."""
+    quant = quant or {}
     rules = hf_tensor_rules(cfg)
-    specs = param_specs(cfg)
+    specs = param_specs(cfg, quant)
     np_dtype = jnp.dtype(dtype)
-    buffers = {name: np.empty(spec.shape, np_dtype) for name, spec in specs.items()}
+    buffers = {name: np.empty(spec.shape, spec.dtype or np_dtype) for name, spec in specs.items()}
     filled: set[str] = set()
     bar = progress_bar(tensors, total=total, desc=f"Loading {os.path.basename(source)}",
                        unit="tensor")
@@ -109,14 +130,27 @@ def assemble_params(
             raise
         except Exception as e:
             raise WeightError(f"{source}: cannot read tensor {shown!r}: {e}") from e
-        if tuple(w.shape) != rule.shape:
-            raise WeightError(f"{source}: tensor {shown!r} has shape {tuple(w.shape)}, "
+        shape = tuple((w["q"] if isinstance(w, dict) else w).shape)
+        if shape != rule.shape:
+            raise WeightError(f"{source}: tensor {shown!r} has shape {shape}, "
                               f"expected {rule.shape}")
-        w = rule.to_ours(np.asarray(w, np.float32) if w.dtype != np_dtype else w)
-        if rule.layer is None:
-            buffers[rule.target][...] = w
+        fmt = quant.get(rule.target)
+        if fmt is None:
+            if isinstance(w, dict):
+                w = dequantize(w["q"], w["scale"], w.get("min"), xp=np)
+            parts = {"": w if w.dtype == np_dtype else np.asarray(w, np.float32)}
         else:
-            buffers[rule.target][rule.layer] = w
+            if not isinstance(w, dict):
+                w = quantize(w, fmt)
+            parts = {"": w["q"], "_scale": w["scale"]}
+            if "min" in w:
+                parts["_min"] = w["min"]
+        for suffix, value in parts.items():
+            buffer = buffers[rule.target + suffix]
+            if rule.layer is None:
+                buffer[...] = value
+            else:
+                buffer[rule.layer] = value
         filled.add(hf_name)
     missing = [name for name in rules if name not in filled]
     if missing:
@@ -137,10 +171,12 @@ def nest(flat: dict[str, np.ndarray]) -> dict:
     return out
 
 
-def abstract_model(cfg: ModelConfig, dtype, attention_backend: str = "reference", mesh=None):
+def abstract_model(cfg: ModelConfig, dtype, attention_backend: str = "reference", mesh=None,
+                   quant: dict[str, QuantFormat] | None = None):
     """The model with ShapeDtypeStruct leaves: no memory, no random init."""
     return nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0),
-                                        attention_backend=attention_backend, mesh=mesh))
+                                        attention_backend=attention_backend, mesh=mesh,
+                                        quant=quant))
 
 
 def place(params: dict, shardings: dict | None) -> dict:
@@ -154,27 +190,38 @@ def place(params: dict, shardings: dict | None) -> dict:
 
 
 def build_model(cfg: ModelConfig, params: dict, dtype,
-                attention_backend: str = "reference", mesh=None) -> Llama:
+                attention_backend: str = "reference", mesh=None,
+                quant: dict[str, QuantFormat] | None = None) -> Llama:
     """Put host parameters on the device(s) and bind them to a model; with a tensor-parallel
     `mesh`, `cfg` and `params` are the sharded ones (see models/sharding.py)."""
     from models.sharding import param_shardings
 
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, attention_backend, mesh))
-    shardings = None if mesh is None else param_shardings(cfg, mesh)
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, attention_backend, mesh, quant))
+    shardings = None if mesh is None else param_shardings(cfg, mesh, quant)
     nnx.replace_by_pure_dict(state, place(params, shardings))
     return nnx.merge(graphdef, state)
 
 
 def random_model(cfg: ModelConfig, dtype, *, seed: int = 0, attention_backend: str = "reference",
-                 mesh=None) -> Llama:
+                 mesh=None, quantization: str | None = None) -> Llama:
     """Random weights of real shapes (benchmarks without the weights), made on the devices,
-    directly in their shardings under a tensor-parallel `mesh`."""
+    directly in their shardings under a tensor-parallel `mesh`, and quantized there."""
     from models.sharding import param_shardings, sharded_config
     from ops.attention import TENSOR_AXIS
 
     run_cfg = cfg if mesh is None else sharded_config(cfg, mesh.shape[TENSOR_AXIS])
-    init = lambda: nnx.to_pure_dict(nnx.state(Llama(run_cfg, dtype=dtype, rngs=nnx.Rngs(seed))))
-    shardings = None if mesh is None else param_shardings(run_cfg, mesh)
-    graphdef, state = nnx.split(abstract_model(run_cfg, dtype, attention_backend, mesh))
+    quant = quant_plan(run_cfg, quantization)
+
+    def init():
+        flat = nnx.to_flat_state(nnx.state(Llama(run_cfg, dtype=dtype, rngs=nnx.Rngs(seed))))
+        flat = {".".join(map(str, path)): v[...] for path, v in flat}
+        for name, fmt in quant.items():
+            parts = quantize(flat[name], fmt, xp=jnp)
+            flat[name] = parts["q"].astype(fmt.storage_dtype())
+            flat[name + "_scale"] = parts["scale"]
+        return nest(flat)
+
+    shardings = None if mesh is None else param_shardings(run_cfg, mesh, quant)
+    graphdef, state = nnx.split(abstract_model(run_cfg, dtype, attention_backend, mesh, quant))
     nnx.replace_by_pure_dict(state, jax.jit(init, out_shardings=shardings)())
     return nnx.merge(graphdef, state)

@@ -1,6 +1,6 @@
 """Convert a GGUF file or HF directory into an xlaserve Orbax checkpoint (fast reloads).
 
-Usage: python scripts/convert.py SRC DST [--dtype float32|bfloat16]
+Usage: python scripts/convert.py SRC DST [--dtype float32|bfloat16] [--quantization int8|int4]
 """
 
 import argparse
@@ -17,8 +17,10 @@ def main() -> int:
     parser.add_argument("src", help="GGUF file or HF model directory")
     parser.add_argument("dst", help="output checkpoint directory")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
+                        help="store quantized weights (a GGUF's Q8_0/Q4_0/Q4_1 blocks as they are)")
     args = parser.parse_args()
-    convert(args.src, args.dst, args.dtype)
+    convert(args.src, args.dst, args.dtype, args.quantization)
     print(args.dst)
     return 0
 

@@ -36,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("XLASERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (env XLASERVE_API_KEY)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--quantization", "-q", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization at load: int8 per output channel, int4 in "
+                        "groups of 32; a GGUF's Q8_0/Q4_0/Q4_1 blocks are kept as they are")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             specs[0] = dataclasses.replace(specs[0], name=args.served_model_name)
         engines = start_engines(
             specs, memory_fraction=args.gpu_memory_utilization, dtype=args.dtype,
+            quantization=args.quantization,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.page_size,
             num_blocks=args.num_pages, enable_prefix_caching=args.enable_prefix_caching,
