@@ -73,9 +73,11 @@ def param_specs(cfg: ModelConfig, quant: dict[str, QuantFormat] | None = None
         spec = specs[name]
         scale_shape = (*spec.shape[:-1], fmt.scale_columns(spec.shape[-1]))
         specs[name] = dataclasses.replace(spec, init="zeros", dtype=fmt.storage_dtype())
-        specs[name + "_scale"] = ParamSpec(scale_shape, spec.axes, "ones", jnp.float32)
+        # Group scales split with their inputs; one scale per row is the same on every shard.
+        axes = spec.axes if fmt.group else (*spec.axes[:-1], "row_scale")
+        specs[name + "_scale"] = ParamSpec(scale_shape, axes, "ones", jnp.float32)
         if fmt.has_min:
-            specs[name + "_min"] = ParamSpec(scale_shape, spec.axes, "zeros", jnp.float32)
+            specs[name + "_min"] = ParamSpec(scale_shape, axes, "zeros", jnp.float32)
     return specs
 
 

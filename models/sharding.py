@@ -34,6 +34,7 @@ RULES: dict[str, str | None] = {
     "layers": None,
     "embed": None,
     "head_dim": None,
+    "row_scale": None,  # a per-channel quantization scale's single column
 }
 
 
@@ -99,8 +100,14 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, quant: dict | None = None) -> 
         rules["kv_heads"] = None
     if cfg.vocab_size % size:
         rules["vocab"] = None
+    specs = param_specs(cfg, quant)
+    for name, spec in specs.items():
+        if name.endswith(("_scale", "_min")) and spec.shape[-1] % size and rules[spec.axes[-1]]:
+            raise ValueError(f"tensor parallel size {size} does not divide the "
+                             f"{spec.shape[-1]} quantization groups of each row of "
+                             f"{name.rsplit('_', 1)[0]}")
     return nest({name: NamedSharding(mesh, PartitionSpec(*(rules[a] for a in spec.axes)))
-                 for name, spec in param_specs(cfg, quant).items()})
+                 for name, spec in specs.items()})
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:

@@ -132,3 +132,20 @@ def test_no_compilation_after_warmup_under_tensor_parallelism(tiny):
         assert out.outputs[0].token_ids == plain.generate(prompt, 10)[0]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
 
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_split_consistently(tiny, quantization):
+    # Values and their scales are split along the same rows (or groups): every size gives
+    # the one-device tokens.
+    def decoder(size):
+        mesh = None if size == 1 else make_mesh(size)
+        return GreedyDecoder(load_model(tiny, dtype="float32", mesh=mesh,
+                                        quantization=quantization), max_len=128)
+
+    one = decoder(1)
+    logits, tokens = one.prompt_logits(IDS), one.generate(IDS, 12)[0]
+    for size in (2, 4):
+        dec = decoder(size)
+        assert _rel(dec.prompt_logits(IDS), logits) < 1e-5, size
+        assert dec.generate(IDS, 12)[0] == tokens, size

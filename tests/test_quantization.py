@@ -1,0 +1,136 @@
+"""Weight-only quantization (ops/quantization.py): GGUF blocks taken over bit for bit, the
+quantized matmul against float references, and quantized checkpoints."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.gguf_file import open_gguf
+from models.gguf_loader import KEPT, repack
+from ops.quantization import QuantFormat, dequantize, linear, quantize
+
+T = gguf.GGMLQuantizationType
+
+
+def _weight(rows=24, cols=96, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2, (rows, 1))).astype(np.float32)
+
+
+@pytest.mark.parametrize("tensor_type", [T.Q8_0, T.Q4_0, T.Q4_1])
+def test_gguf_blocks_repack_bit_exact(tensor_type):
+    w = _weight()
+    raw = gguf.quants.quantize(w, tensor_type).reshape(-1)
+    want = gguf.dequantize(raw, tensor_type).reshape(w.shape)
+    parts = repack(raw, tensor_type, w.shape)
+    fmt = KEPT[tensor_type][0]
+    assert parts["q"].dtype == np.int8 and parts["q"].shape == w.shape
+    assert parts["scale"].shape == (w.shape[0], w.shape[1] // 32)
+    assert ("min" in parts) == fmt.has_min
+    lo, hi = (-127, 127) if fmt.bits == 8 else (0, 15) if fmt.has_min else (-8, 7)
+    assert lo <= parts["q"].min() and parts["q"].max() <= hi
+    got = dequantize(parts["q"], parts["scale"], parts.get("min"), xp=np)
+    np.testing.assert_array_equal(got, want)
+    jax_got = jax.jit(lambda p: dequantize(p["q"], p["scale"], p.get("min")))(parts)
+    np.testing.assert_allclose(np.asarray(jax_got), want, rtol=1e-6, atol=1e-7)
+
+
+def test_default_model_blocks_repack_bit_exact(default_gguf):
+    index = open_gguf(default_gguf)
+    seen = set()
+    for t in index.tensors:
+        if t.tensor_type in KEPT and t.tensor_type not in seen:
+            seen.add(t.tensor_type)
+            shape = tuple(reversed(t.shape))
+            parts = repack(index.raw(t), t.tensor_type, shape)
+            got = dequantize(parts["q"], parts["scale"], parts.get("min"), xp=np)
+            np.testing.assert_array_equal(got, index.values(t), err_msg=t.name)
+    assert seen == {T.Q4_1, T.Q8_0}
+
+
+FORMATS = {
+    "int8 per channel": (QuantFormat(8, 0), 0.01),
+    "int8 group 32": (QuantFormat(8, 32), 0.01),
+    "int4 group 32": (QuantFormat(4, 32), 0.2),
+}
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_quantized_matmul_matches_float(name, rows):
+    fmt, tolerance = FORMATS[name]
+    w = _weight(40, 128)
+    parts = quantize(w, fmt)
+    assert parts["scale"].shape == (40, fmt.scale_columns(128))
+    x = np.random.default_rng(1).standard_normal((rows, 128)).astype(np.float32)
+    got = np.asarray(jax.jit(linear)(x, parts))
+    # Exactly the dequantized weight's product (up to float summation order) ...
+    exact = x @ dequantize(parts["q"], parts["scale"], xp=np).T
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-4)
+    # ... and the float weight's within the format's quantization error.
+    want = x @ w.T
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < tolerance
+    assert np.abs(parts["q"]).max() <= (127 if fmt.bits == 8 else 8)
+
+
+def test_asymmetric_blocks_matmul():
+    w = _weight(16, 64)
+    raw = gguf.quants.quantize(w, T.Q4_1).reshape(-1)
+    parts = repack(raw, T.Q4_1, w.shape)
+    want = gguf.dequantize(raw, T.Q4_1).reshape(w.shape)
+    for rows in (1, 5):
+        x = np.random.default_rng(rows).standard_normal((rows, 64)).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(jax.jit(linear)(x, parts)), x @ want.T,
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_quantize_on_device_equals_host():
+    w = _weight()
+    for fmt in (QuantFormat(8, 0), QuantFormat(4, 32)):
+        host = quantize(w, fmt)
+        dev = jax.jit(lambda w, fmt=fmt: quantize(w, fmt, xp=jnp))(w)
+        # XLA may divide by a reciprocal: scales within an ulp, values at most a rounding apart.
+        np.testing.assert_allclose(np.asarray(dev["scale"]), host["scale"], rtol=1e-6)
+        diff = np.abs(np.asarray(dev["q"]).astype(int) - host["q"])
+        assert diff.max() <= 1 and diff.mean() < 1e-2
+
+
+def test_zero_rows_quantize_to_zero():
+    w = np.zeros((4, 64), np.float32)
+    for fmt in (QuantFormat(8, 0), QuantFormat(4, 32)):
+        parts = quantize(w, fmt)
+        assert not parts["q"].any() and not parts["scale"].any()
+
+
+def test_default_model_keeps_its_gguf_blocks(default_gguf):
+    from models.loader import load_model
+
+    model = load_model(default_gguf, quantization="int8")
+    quant = dict(model.quant)
+    assert quant["embed"] == QuantFormat(8, 32)          # Q8_0 in the file
+    assert quant["layers.w_up"] == QuantFormat(4, 32, True)  # Q4_1 in the file
+    assert model.layers.w_up[...].dtype == jnp.int8
+    assert model.layers.w_up_min[...].shape == (30, 1536, 576 // 32)
+
+
+def test_quantized_checkpoint_round_trip(tmp_path):
+    from tiny_models import save_tiny_hf
+
+    from models.convert import convert
+    from models.generate import GreedyDecoder
+    from models.loader import load_model
+
+    src = save_tiny_hf(tmp_path / "hf", tie_word_embeddings=False)
+    ids = [5, 17, 3, 99, 42, 7, 150, 23]
+    for quantization in ("int8", "int4"):
+        want = GreedyDecoder(load_model(src, quantization=quantization), max_len=64).prompt_logits(ids)
+        ckpt = convert(src, tmp_path / quantization, quantization=quantization)
+        model = load_model(ckpt)
+        assert dict(model.quant)["layers.wq"].bits == int(quantization[-1])
+        np.testing.assert_array_equal(GreedyDecoder(model, max_len=64).prompt_logits(ids), want)
+        with pytest.raises(ValueError, match="float weights"):
+            load_model(convert(src, tmp_path / "float"), quantization=quantization)
