@@ -127,7 +127,8 @@ def test_quantized_checkpoint_round_trip(tmp_path):
     src = save_tiny_hf(tmp_path / "hf", tie_word_embeddings=False)
     ids = [5, 17, 3, 99, 42, 7, 150, 23]
     for quantization in ("int8", "int4"):
-        want = GreedyDecoder(load_model(src, quantization=quantization), max_len=64).prompt_logits(ids)
+        model = load_model(src, quantization=quantization)
+        want = GreedyDecoder(model, max_len=64).prompt_logits(ids)
         ckpt = convert(src, tmp_path / quantization, quantization=quantization)
         model = load_model(ckpt)
         assert dict(model.quant)["layers.wq"].bits == int(quantization[-1])
