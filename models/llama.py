@@ -10,6 +10,7 @@ ragged batch of tokens over the paged KV cache (see ops/attention.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -156,7 +157,8 @@ class Llama(nnx.Module):
             x, cache = carry
             p, idx = xs
             h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = (linear(h, weight(p, w)) for w in ("wq", "wk", "wv"))
+            lin = functools.partial(linear, chunked=self.mesh is None)
+            q, k, v = (lin(h, weight(p, w)) for w in ("wq", "wk", "wv"))
             if cfg.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
@@ -167,10 +169,10 @@ class Llama(nnx.Module):
                 q, cache, idx, md, sm_scale=cfg.head_dim ** -0.5,
                 sliding_window=cfg.sliding_window, backend=self.attention_backend,
                 mesh=self.mesh)
-            x = x + linear(attn.reshape(T, H * D), weight(p, "wo"))
+            x = x + lin(attn.reshape(T, H * D), weight(p, "wo"))
             h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-            gate = jax.nn.silu(linear(h, weight(p, "w_gate")))
-            x = x + linear(gate * linear(h, weight(p, "w_up")), weight(p, "w_down"))
+            gate = jax.nn.silu(lin(h, weight(p, "w_gate")))
+            x = x + lin(gate * lin(h, weight(p, "w_up")), weight(p, "w_down"))
             return (x, cache), None
 
         (x, cache), _ = jax.lax.scan(layer, (x, cache), (layer_params, layer_ids))
@@ -181,7 +183,8 @@ class Llama(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:  # [N, E] final-normed -> [N, V] float32
         """The LM head."""
         head = "embed" if self.cfg.tie_word_embeddings else "lm_head"
-        return linear(x, weight(self.top_params(), head), jnp.float32)
+        return linear(x, weight(self.top_params(), head), jnp.float32,
+                      chunked=self.mesh is None)
 
     def top_params(self) -> dict:
         """The parameters outside the layer stack (embeddings, final norm, LM head)."""
