@@ -43,6 +43,7 @@ from engine.model_runner import ModelRunner, StepResult
 from engine.sampling_params import SamplingParams
 from models.llama import weight
 from ops.attention import BACKENDS
+from ops.quantization import CHOICES as QUANTIZATION_CHOICES
 from ops.quantization import linear
 
 
@@ -312,8 +313,9 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=None, help="default: all at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
-                   help="weight-only quantization (int8 per channel, int4 in groups of 32)")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
+                   help="weight-only quantization as the server's (auto keeps a GGUF's blocks; "
+                        "random weights stay float under auto)")
     defaults = EngineConfig(model="")
     p.add_argument("--max-model-len", type=int, default=None,
                    help=f"default: the engine's ({defaults.max_model_len}), or input + output "

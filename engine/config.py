@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+# The --quantization choices: ops.quantization.CHOICES (this module imports no jax; a test
+# holds the two equal).
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+
 
 def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
     out, n = [], lo
@@ -19,7 +23,8 @@ class EngineConfig:
     model: str                          # path of a GGUF file, HF directory or Orbax checkpoint
     name: str | None = None             # served model name (default: derived from the path)
     dtype: str = "auto"                 # float32 | bfloat16 | auto
-    quantization: str | None = None     # None | int8 | int4: weight-only (ops/quantization.py)
+    quantization: str = "auto"          # auto | none | int8 | int4: weight-only; auto keeps a
+                                        # GGUF's Q8_0/Q4_0/Q4_1 blocks (ops/quantization.py)
     max_model_len: int = 2048           # prompt + output tokens per sequence
     max_num_seqs: int = 64              # sequences per step
     max_num_batched_tokens: int = 512   # tokens per step (prefill chunks + decodes)
@@ -45,8 +50,8 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
                              f"least max_num_seqs ({self.max_num_seqs})")
-        if self.quantization not in (None, "none", "int8", "int4"):
-            raise ValueError(f"quantization must be none, int8 or int4, "
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (page 0 is reserved), "

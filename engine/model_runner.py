@@ -38,7 +38,7 @@ from engine.batch import (
     sampling_layout,
 )
 from engine.config import EngineConfig
-from models.loader import describe_quant, load_config, load_model, resolve_dtype
+from models.loader import describe_quant, load_config, load_model, resolve_dtype, weight_bytes
 from models.progress import progress_bar
 from models.sharding import kv_cache_sharding, make_mesh, replicated, sharded_config
 from ops.attention import AttentionMetadata, KVCache
@@ -125,12 +125,14 @@ class ModelRunner:
             store_dir, device.fingerprint(config, self.graphdef, self.state, self.kv),
             jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat)
         self.num_stored_loads = 0  # executables deserialized from the store, not compiled
+        held, as_float32 = weight_bytes(nnx.to_pure_dict(self.state))
         logger.info(
-            "%s: %s weights%s, %s attention, max_model_len %d, max_num_seqs %d, "
-            "max_num_batched_tokens %d, %d KV pages of %d tokens (%d tokens, %.2f GiB); "
-            "executables: a body per token count %s, a head per sequence count %s",
+            "%s: %s weights%s (%.1f MiB, %.0f%% of float32), %s attention, max_model_len %d, "
+            "max_num_seqs %d, max_num_batched_tokens %d, %d KV pages of %d tokens (%d tokens, "
+            "%.2f GiB); executables: a body per token count %s, a head per sequence count %s",
             config.name or config.model, np.dtype(self.dtype).name,
-            describe_quant(dict(model.quant)), model.attention_backend,
+            describe_quant(dict(model.quant)), held / 2**20, 100 * held / as_float32,
+            model.attention_backend,
             config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
             config.total_blocks, config.block_size, config.total_blocks * config.block_size,
             self.kv_bytes() / 2**30, list(config.token_buckets), list(config.seq_buckets))

@@ -15,6 +15,7 @@ from flax import nnx
 from models.llama import Llama
 from models.sharding import kv_cache_sharding
 from ops.attention import AttentionMetadata, KVCache
+from ops.quantization import CHOICES
 
 
 def _bucket(n: int) -> int:
@@ -106,8 +107,8 @@ def main(argv=None) -> int:
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
-    parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
-                        help="weight-only quantization (ops/quantization.py)")
+    parser.add_argument("--quantization", choices=CHOICES, default="auto",
+                        help="weight-only quantization, as the server's (ops/quantization.py)")
     args = parser.parse_args(argv)
 
     path = args.model or fetch_default_model()

@@ -78,7 +78,7 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def repack(raw: np.ndarray, tensor_type, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
     """A Q8_0 / Q4_0 / Q4_1 tensor's bytes -> {"q": int8 [O, I], "scale" (and "min"):
-    float32 [O, I / 32]}, with `w = q * scale (+ min)` equal to the gguf package's
+    float16 [O, I / 32], as stored}, with `w = q * scale (+ min)` equal to the gguf package's
     dequantization bit for bit. The values never pass through a float."""
     fmt, block_bytes = KEPT[tensor_type]
     *lead, cols = shape
@@ -92,9 +92,9 @@ def repack(raw: np.ndarray, tensor_type, shape: tuple[int, ...]) -> dict[str, np
         q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1).astype(np.int8)
         if not fmt.has_min:
             q -= 8  # Q4_0: w = d * (nibble - 8)
-    out = {"q": q.reshape(shape), "scale": f16(0, 2).astype(np.float32).reshape(groups)}
+    out = {"q": q.reshape(shape), "scale": f16(0, 2).reshape(groups)}
     if fmt.has_min:
-        out["min"] = f16(2, 4).astype(np.float32).reshape(groups)
+        out["min"] = f16(2, 4).reshape(groups)
     return out
 
 

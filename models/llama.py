@@ -25,7 +25,7 @@ from ops.attention import (
     resolve_backend,
     write_kv,
 )
-from ops.quantization import QuantFormat, embedding, linear
+from ops.quantization import SCALE_DTYPE, QuantFormat, embedding, linear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +76,9 @@ def param_specs(cfg: ModelConfig, quant: dict[str, QuantFormat] | None = None
         specs[name] = dataclasses.replace(spec, init="zeros", dtype=fmt.storage_dtype())
         # Group scales split with their inputs; one scale per row is the same on every shard.
         axes = spec.axes if fmt.group else (*spec.axes[:-1], "row_scale")
-        specs[name + "_scale"] = ParamSpec(scale_shape, axes, "ones", jnp.float32)
+        specs[name + "_scale"] = ParamSpec(scale_shape, axes, "ones", SCALE_DTYPE)
         if fmt.has_min:
-            specs[name + "_min"] = ParamSpec(scale_shape, axes, "zeros", jnp.float32)
+            specs[name + "_min"] = ParamSpec(scale_shape, axes, "zeros", SCALE_DTYPE)
     return specs
 
 

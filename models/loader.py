@@ -79,7 +79,8 @@ def load_model(path: str | Path, dtype: str | None = None,
                quantization: str | None = None) -> Llama:
     """Load weights from any supported source onto the default device, or with a
     tensor-parallel `mesh` straight into their shards (models/sharding.py). `quantization`
-    ("int8", "int4"; ops/quantization.py) quantizes the matrices as they load; an Orbax
+    (ops/quantization.py CHOICES; None: "none", every weight float): "auto" keeps a GGUF's
+    Q8_0/Q4_0/Q4_1 blocks, "int8"/"int4" quantize the matrices as they load; an Orbax
     checkpoint holds its own (scripts/convert.py --quantization) and takes no other."""
     jdtype = resolve_dtype(dtype)
     start = time.perf_counter()
@@ -90,7 +91,7 @@ def load_model(path: str | Path, dtype: str | None = None,
         repeats = run_cfg.num_kv_heads // cfg.num_kv_heads
     if model_format(path) == "orbax":
         quant = checkpoint.checkpoint_quant(path)
-        if quantization not in (None, "none") and not quant:
+        if quantization not in (None, "none", "auto") and not quant:
             raise ValueError(f"{path}: this checkpoint holds float weights; quantize it with "
                              f"scripts/convert.py --quantization {quantization}")
         shardings = None if mesh is None else param_shardings(cfg, mesh, quant)
@@ -117,4 +118,15 @@ def describe_quant(quant: dict) -> str:
     for fmt in quant.values():
         counts[fmt.name] = counts.get(fmt.name, 0) + 1
     return ", weights " + ", ".join(f"{name} x {n}" for name, n in counts.items())
+
+
+def weight_bytes(params) -> tuple[int, int]:
+    """(bytes the parameters hold, bytes the same weights would hold in float32): what
+    quantization saves, reported at startup."""
+    held = as_float32 = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        held += leaf.nbytes
+        if not str(getattr(path[-1], "key", path[-1])).endswith(("_scale", "_min")):
+            as_float32 += leaf.size * 4
+    return held, as_float32
 

@@ -213,9 +213,10 @@ def main(argv=None) -> int:
     parser.add_argument("--model", required=True, help="GGUF file or HF model directory")
     parser.add_argument("--prompts", required=True, help="prompt file, one per line")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--quantization", choices=["int8", "int4"],
-                        help="quantize our weights and measure top-1 agreement and KL "
-                             "against the float32 reference instead of greedy parity")
+    parser.add_argument("--quantization", choices=["auto", "int8", "int4"],
+                        help="load our weights quantized (as the server's flag) and measure "
+                             "top-1 agreement and KL against the float32 reference instead of "
+                             "greedy parity, which runs on float weights")
     parser.add_argument("--min-agreement", type=float,
                         help="with --quantization: fail if the mean top-1 agreement is below")
     args = parser.parse_args(argv)
@@ -227,7 +228,7 @@ def main(argv=None) -> int:
     tokenizer = Tokenizer.from_path(args.model)
     prompts = [encode_prompt(tokenizer, p) for p in read_prompts(args.prompts)]
     longest = max(len(p) for p in prompts) + args.max_tokens
-    model = load_model(args.model, dtype="float32", quantization=args.quantization)
+    model = load_model(args.model, dtype="float32", quantization=args.quantization or "none")
     decoder = GreedyDecoder(model, max_len=longest)
     ref_model = load_reference(args.model)
     if args.quantization is None:

@@ -73,18 +73,21 @@ def quant_plan(cfg: ModelConfig, quantization: str | None,
     """Which matrices are quantized, and how. `stored`: our parameter name -> the formats its
     source tensors already have (a QuantFormat, or None for float). A parameter whose every
     tensor is stored in one format that we take over losslessly keeps it (GGUF Q8_0, Q4_0,
-    Q4_1, whichever scheme was asked for: requantizing would only lose); the others get the
-    scheme's format. None or "none": every weight in float."""
+    Q4_1, whichever scheme was asked for: requantizing would only lose); under a scheme the
+    others get its format, under "auto" they stay float. None or "none": every weight in
+    float."""
     if quantization in (None, "none"):
         return {}
-    target = scheme_format(quantization)
     plan = {}
     for name in QUANTIZABLE:
         if name == "lm_head" and cfg.tie_word_embeddings:
             continue
         formats = (stored or {}).get(name, {None})
         kept = next(iter(formats)) if len(formats) == 1 else None
-        plan[name] = kept if kept is not None else target
+        if kept is not None:
+            plan[name] = kept
+        elif quantization != "auto":
+            plan[name] = scheme_format(quantization, name)
     return plan
 
 

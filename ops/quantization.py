@@ -11,19 +11,24 @@ one output row, a float32 scale and optionally a minimum [..., O, I / group]:
 exactly this with group 32 and float16 scales, so a Q8_0, Q4_0 or Q4_1 tensor is taken over
 value for value (models/gguf_loader.py).
 
+Scales and minimums are float16 (GGUF's own type, so its blocks stay exact; float sources
+round their scales to it before quantizing, as llama.cpp does).
+
 How the matmul runs is chosen per static shape, from measurements on XLA:CPU (2-core Sapphire
-Rapids, 30 layers of 576 x 1536, docs/performance.md):
+Rapids, the default model's matrices; docs/performance.md):
 - one row (a lone decode): the dequantization written as an elementwise function of [O, I]
-  fuses into XLA's matrix-vector product, which then reads int8 instead of float32 (1.1 ms
-  against 2.6 ms for float32 weights in the same layout);
-- more rows: per-channel scales are applied to the dot's output (1.1-1.6x faster than
-  float32 up to 8 rows, even at 64); group formats are dequantized 64 rows at a time, each
-  block multiplied while it is in cache (1.6x faster than float32 at 8 rows, 1.1x at 64;
-  dequantizing the whole matrix first is 1.3-1.6x slower than float32, and the elementwise
-  form above 3-4x slower).
-4-bit values are held one per int8 on CPU: XLA:CPU unpacks packed int4 inside the dot about
-9x slower than it converts int8 (measured), so packing would save memory and cost speed.
-Other platforms store packed int4 / uint4.
+  fuses into XLA's matrix-vector product, which then reads int8 instead of float32 (the
+  default model's matmuls: 11.6 ms against 29.1 ms for float32 weights);
+- more rows: per-channel scales are applied to the dot's output. Group formats are
+  dequantized whole when the result fits in CHUNK_BYTES (30 layers of 1536 x 576 at 64 rows:
+  16.5 ms against 18.4 ms for float32 weights), else CHUNK_BYTES at a time in a loop, each
+  block multiplied while it is in cache (the 49,152-row head at 64 rows: 18 ms, against
+  33 ms dequantized whole and 12 ms in float32). Smaller blocks cost more than they save:
+  each loop iteration has a fixed cost on XLA:CPU.
+4-bit values are held one per int8 on CPU: XLA:CPU does not fuse the unpacking of two
+values from a byte into its matrix-vector product (packed int4, or nibbles unpacked with
+shifts and masks, run 9-15x slower than int8 at one row; measured), so packing would save
+memory and cost speed. Other platforms store packed int4 / uint4.
 """
 
 from __future__ import annotations
@@ -34,9 +39,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SCHEMES = ("int8", "int4")  # the --quantization choices (besides none)
+SCHEMES = ("int8", "int4")  # formats a float weight can be quantized to
+# --quantization: auto keeps the quantized blocks a GGUF file stores in a format above (and
+# leaves the rest in float), none makes every weight float, a scheme quantizes every matrix.
+CHOICES = ("auto", "none", *SCHEMES)
 INT4_GROUP = 32
-CHUNK_ROWS = 64  # rows dequantized at a time at more than one row (64 measured best of 64-512)
+EIGHT_BIT_UNDER_INT4 = ("embed", "lm_head")  # as llama.cpp's Q4 files: the head stays 8-bit
+CHUNK_BYTES = 4 << 20  # the largest dequantized block at more than one row (measured: 0.25-16 MiB)
+SCALE_DTYPE = np.float16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,28 +80,37 @@ class QuantFormat:
         return f"int{self.bits} ({group}{', with minimums' if self.has_min else ''})"
 
 
-def scheme_format(scheme: str) -> QuantFormat:
-    """The format a float weight is quantized to under `--quantization scheme`."""
+def scheme_format(scheme: str, name: str = "") -> QuantFormat:
+    """The format float weight `name` is quantized to under `--quantization scheme`."""
+    if scheme == "int4" and name in EIGHT_BIT_UNDER_INT4:
+        return QuantFormat(8, INT4_GROUP)
     if scheme == "int8":
         return QuantFormat(8, 0)
     if scheme == "int4":
-        return QuantFormat(4, INT4_GROUP)
+        return QuantFormat(4, INT4_GROUP, has_min=True)
     raise ValueError(f"unknown quantization {scheme!r}; choose from {', '.join(SCHEMES)}")
 
 
 def quantize(w, fmt: QuantFormat, *, xp=np) -> dict:
-    """A float [..., O, I] weight -> {"q": int8 values, "scale": float32} (symmetric formats),
+    """A float [..., O, I] weight -> {"q": int8 values, "scale": float16[, "min": float16]},
     with numpy or (under jit, on the device) jax.numpy.
 
     int8: scale = max|w| / 127 per row (or group). int4: as llama.cpp's Q4_0, the value of
-    largest magnitude maps to -8 exactly, scale = that value / -8, q in [-8, 7]."""
-    if fmt.has_min:
-        raise ValueError("quantizing to a format with minimums is not supported")
+    largest magnitude maps to -8 exactly, scale = that value / -8, q in [-8, 7]. int4 with
+    minimums: as Q4_1, min = the group's minimum, scale = its range / 15, q in [0, 15]."""
     w = xp.asarray(w, xp.float32)
     *lead, rows, cols = w.shape
     g = cols if fmt.group == 0 else fmt.group
     fmt.scale_columns(cols)
     blocks = w.reshape(*lead, rows, cols // g, g)
+    if fmt.has_min:  # as llama.cpp's Q4_1: the group's range onto [0, 15]
+        minimum = blocks.min(-1).astype(SCALE_DTYPE)
+        scale = ((blocks.max(-1) - minimum.astype(xp.float32)) / 15).astype(SCALE_DTYPE)
+        with np.errstate(divide="ignore"):
+            inv = xp.where(scale == 0, 0.0, 1.0 / scale.astype(xp.float32))
+        shifted = blocks - minimum.astype(xp.float32)[..., None]
+        q = xp.clip(xp.rint(shifted * inv[..., None]), 0, 15).astype(xp.int8)
+        return {"q": q.reshape(w.shape), "scale": scale, "min": minimum}
     if fmt.bits == 8:
         scale = xp.abs(blocks).max(-1) / 127
         lo, hi = -127, 127
@@ -99,10 +118,11 @@ def quantize(w, fmt: QuantFormat, *, xp=np) -> dict:
         idx = xp.abs(blocks).argmax(-1)[..., None]
         scale = xp.take_along_axis(blocks, idx, -1)[..., 0] / -8
         lo, hi = -8, 7
+    scale = scale.astype(SCALE_DTYPE)  # the values are rounded against the stored scale
     with np.errstate(divide="ignore"):
-        inv = xp.where(scale == 0, 0.0, 1.0 / scale)
+        inv = xp.where(scale == 0, 0.0, 1.0 / scale.astype(xp.float32))
     q = xp.clip(xp.rint(blocks * inv[..., None]), lo, hi).astype(xp.int8)
-    return {"q": q.reshape(w.shape), "scale": scale.astype(xp.float32)}
+    return {"q": q.reshape(w.shape), "scale": scale}
 
 
 def dequantize(q, scale, minimum=None, *, xp=jnp, dtype=jnp.float32):
@@ -135,14 +155,24 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True) -> jax.Arra
         if minimum is not None:
             wf = wf + full(minimum)
         return dot(x, wf)
-    rows = q.shape[0]
-    if not chunked or rows % CHUNK_ROWS:
+    rows, cols = q.shape
+    chunk = chunk_rows(rows, cols * jnp.dtype(x.dtype).itemsize) if chunked else rows
+    if chunk == rows:
         return dot(x, dequantize(q, scale, minimum, dtype=x.dtype))
-    # Dequantize CHUNK_ROWS rows at a time, each block still in cache when its dot reads it.
-    blocks = jax.tree.map(lambda a: a.reshape(rows // CHUNK_ROWS, CHUNK_ROWS, *a.shape[1:]), w)
+    # Dequantize `chunk` rows at a time, each block still in cache when its dot reads it.
+    blocks = jax.tree.map(lambda a: a.reshape(rows // chunk, chunk, *a.shape[1:]), w)
     ys = jax.lax.map(lambda b: dot(x, dequantize(b["q"], b["scale"], b.get("min"),
                                                  dtype=x.dtype)), blocks)  # [O / C, T, C]
     return ys.transpose(1, 0, 2).reshape(x.shape[0], rows)
+
+
+def chunk_rows(rows: int, row_bytes: int) -> int:
+    """The most rows whose dequantized block fits in CHUNK_BYTES, dividing `rows`."""
+    best = 1
+    for c in range(1, rows + 1):
+        if rows % c == 0 and c * row_bytes <= CHUNK_BYTES:
+            best = c
+    return best
 
 
 def embedding(table, tokens: jax.Array, dtype) -> jax.Array:

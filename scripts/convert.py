@@ -10,6 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.convert import convert  # noqa: E402
+from ops.quantization import CHOICES  # noqa: E402
 
 
 def main() -> int:
@@ -17,8 +18,9 @@ def main() -> int:
     parser.add_argument("src", help="GGUF file or HF model directory")
     parser.add_argument("dst", help="output checkpoint directory")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
-                        help="store quantized weights (a GGUF's Q8_0/Q4_0/Q4_1 blocks as they are)")
+    parser.add_argument("--quantization", choices=CHOICES, default="auto",
+                        help="as the server's: auto stores a GGUF's Q8_0/Q4_0/Q4_1 blocks as "
+                             "they are, none stores float, int8/int4 quantize")
     args = parser.parse_args()
     convert(args.src, args.dst, args.dtype, args.quantization)
     print(args.dst)

@@ -17,6 +17,7 @@ import sys
 
 import uvicorn
 
+from engine.config import QUANTIZATION_CHOICES
 from engine.launch import parse_model_arg, start_engines
 from server.app import MAX_BODY_BYTES, MAX_HEADERS, build_app
 
@@ -36,9 +37,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("XLASERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (env XLASERVE_API_KEY)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--quantization", "-q", default="none", choices=["none", "int8", "int4"],
-                   help="weight-only quantization at load: int8 per output channel, int4 in "
-                        "groups of 32; a GGUF's Q8_0/Q4_0/Q4_1 blocks are kept as they are")
+    p.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATION_CHOICES,
+                   help="weight-only quantization: auto (default) keeps a GGUF file's "
+                        "Q8_0/Q4_0/Q4_1 blocks as they are and loads the rest in float; none "
+                        "loads every weight in float; int8 (per output channel) or int4 (groups "
+                        "of 32 with minimums, 8-bit embeddings) quantize the others at load")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")

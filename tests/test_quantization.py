@@ -11,6 +11,7 @@ import pytest
 
 from models.gguf_file import open_gguf
 from models.gguf_loader import KEPT, repack
+from ops import quantization
 from ops.quantization import QuantFormat, dequantize, linear, quantize
 
 T = gguf.GGMLQuantizationType
@@ -56,25 +57,31 @@ FORMATS = {
     "int8 per channel": (QuantFormat(8, 0), 0.01),
     "int8 group 32": (QuantFormat(8, 32), 0.01),
     "int4 group 32": (QuantFormat(4, 32), 0.2),
+    "int4 group 32 with minimums": (QuantFormat(4, 32, True), 0.15),
 }
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_quantized_matmul_matches_float(name, rows):
+@pytest.mark.parametrize("blocks", [1, 4])
+def test_quantized_matmul_matches_float(name, rows, blocks, monkeypatch):
     fmt, tolerance = FORMATS[name]
+    # blocks=4: group formats at more than one row dequantize a quarter of the rows at a time
+    monkeypatch.setattr(quantization, "CHUNK_BYTES", 40 * 128 * 4 // blocks)
+    assert quantization.chunk_rows(40, 128 * 4) == 40 // blocks
     w = _weight(40, 128)
     parts = quantize(w, fmt)
     assert parts["scale"].shape == (40, fmt.scale_columns(128))
     x = np.random.default_rng(1).standard_normal((rows, 128)).astype(np.float32)
-    got = np.asarray(jax.jit(linear)(x, parts))
+    got = np.asarray(jax.jit(lambda x, w: linear(x, w))(x, parts))  # traced anew: CHUNK_BYTES
     # Exactly the dequantized weight's product (up to float summation order) ...
-    exact = x @ dequantize(parts["q"], parts["scale"], xp=np).T
+    exact = x @ dequantize(parts["q"], parts["scale"], parts.get("min"), xp=np).T
     np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-4)
     # ... and the float weight's within the format's quantization error.
     want = x @ w.T
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < tolerance
-    assert np.abs(parts["q"]).max() <= (127 if fmt.bits == 8 else 8)
+    lo, hi = (-127, 127) if fmt.bits == 8 else (0, 15) if fmt.has_min else (-8, 7)
+    assert lo <= parts["q"].min() and parts["q"].max() <= hi
 
 
 def test_asymmetric_blocks_matmul():
@@ -90,18 +97,20 @@ def test_asymmetric_blocks_matmul():
 
 def test_quantize_on_device_equals_host():
     w = _weight()
-    for fmt in (QuantFormat(8, 0), QuantFormat(4, 32)):
+    for fmt in (QuantFormat(8, 0), QuantFormat(4, 32), QuantFormat(4, 32, True)):
         host = quantize(w, fmt)
         dev = jax.jit(lambda w, fmt=fmt: quantize(w, fmt, xp=jnp))(w)
-        # XLA may divide by a reciprocal: scales within an ulp, values at most a rounding apart.
-        np.testing.assert_allclose(np.asarray(dev["scale"]), host["scale"], rtol=1e-6)
+        # XLA may divide by a reciprocal: scales within a float16 ulp, values at most a
+        # rounding apart.
+        np.testing.assert_allclose(np.asarray(dev["scale"], np.float32),
+                                   host["scale"].astype(np.float32), rtol=2 ** -10)
         diff = np.abs(np.asarray(dev["q"]).astype(int) - host["q"])
         assert diff.max() <= 1 and diff.mean() < 1e-2
 
 
 def test_zero_rows_quantize_to_zero():
     w = np.zeros((4, 64), np.float32)
-    for fmt in (QuantFormat(8, 0), QuantFormat(4, 32)):
+    for fmt in (QuantFormat(8, 0), QuantFormat(4, 32), QuantFormat(4, 32, True)):
         parts = quantize(w, fmt)
         assert not parts["q"].any() and not parts["scale"].any()
 
@@ -117,6 +126,36 @@ def test_default_model_keeps_its_gguf_blocks(default_gguf):
     assert model.layers.w_up_min[...].shape == (30, 1536, 576 // 32)
 
 
+def test_engine_offers_the_quantization_choices():
+    from engine.config import QUANTIZATION_CHOICES
+
+    assert QUANTIZATION_CHOICES == quantization.CHOICES
+
+
+def test_quantization_plans(default_gguf, tmp_path):
+    """auto keeps a GGUF's Q8_0/Q4_0/Q4_1 blocks and nothing else; a scheme quantizes the rest
+    (int4: the layers in 4 bits with minimums, the embedding / head in 8, as llama.cpp's Q4
+    files do); none is all float."""
+    from tiny_models import save_tiny_hf
+
+    from models.gguf_loader import load_gguf_params
+    from models.hf_loader import load_hf_params
+    from models.loader import load_config
+
+    cfg = load_config(default_gguf)
+    _, auto = load_gguf_params(default_gguf, cfg, jnp.float32, "auto")
+    assert auto["embed"] == QuantFormat(8, 32) and auto["layers.wq"] == QuantFormat(4, 32, True)
+    assert load_gguf_params(default_gguf, cfg, jnp.float32, "none")[1] == {}
+    src = save_tiny_hf(tmp_path / "hf", tie_word_embeddings=False)
+    tiny = load_config(src)
+    assert load_hf_params(src, tiny, jnp.float32, "auto")[1] == {}
+    int4 = load_hf_params(src, tiny, jnp.float32, "int4")[1]
+    assert int4["layers.w_down"] == QuantFormat(4, 32, True)
+    assert int4["embed"] == int4["lm_head"] == QuantFormat(8, 32)
+    int8 = load_hf_params(src, tiny, jnp.float32, "int8")[1]
+    assert set(int8.values()) == {QuantFormat(8, 0)}
+
+
 def test_quantized_checkpoint_round_trip(tmp_path):
     from tiny_models import save_tiny_hf
 
@@ -126,12 +165,12 @@ def test_quantized_checkpoint_round_trip(tmp_path):
 
     src = save_tiny_hf(tmp_path / "hf", tie_word_embeddings=False)
     ids = [5, 17, 3, 99, 42, 7, 150, 23]
-    for quantization in ("int8", "int4"):
-        model = load_model(src, quantization=quantization)
+    for scheme in ("int8", "int4"):
+        model = load_model(src, quantization=scheme)
         want = GreedyDecoder(model, max_len=64).prompt_logits(ids)
-        ckpt = convert(src, tmp_path / quantization, quantization=quantization)
+        ckpt = convert(src, tmp_path / scheme, quantization=scheme)
         model = load_model(ckpt)
-        assert dict(model.quant)["layers.wq"].bits == int(quantization[-1])
+        assert dict(model.quant)["layers.wq"].bits == int(scheme[-1])
         np.testing.assert_array_equal(GreedyDecoder(model, max_len=64).prompt_logits(ids), want)
         with pytest.raises(ValueError, match="float weights"):
-            load_model(convert(src, tmp_path / "float"), quantization=quantization)
+            load_model(convert(src, tmp_path / "float"), quantization=scheme)
