@@ -127,12 +127,12 @@ class ModelRunner:
         self.num_stored_loads = 0  # executables deserialized from the store, not compiled
         held, as_float32 = weight_bytes(nnx.to_pure_dict(self.state))
         logger.info(
-            "%s: %s weights%s (%.1f MiB, %.0f%% of float32), %s attention, max_model_len %d, "
+            "%s: %s compute, %.1f MiB of weights (%.0f%% of float32)%s, %s attention, "
+            "max_model_len %d, "
             "max_num_seqs %d, max_num_batched_tokens %d, %d KV pages of %d tokens (%d tokens, "
             "%.2f GiB); executables: a body per token count %s, a head per sequence count %s",
-            config.name or config.model, np.dtype(self.dtype).name,
-            describe_quant(dict(model.quant)), held / 2**20, 100 * held / as_float32,
-            model.attention_backend,
+            config.name or config.model, np.dtype(self.dtype).name, held / 2**20,
+            100 * held / as_float32, describe_quant(dict(model.quant)), model.attention_backend,
             config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
             config.total_blocks, config.block_size, config.total_blocks * config.block_size,
             self.kv_bytes() / 2**30, list(config.token_buckets), list(config.seq_buckets))

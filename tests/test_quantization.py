@@ -3,11 +3,14 @@ quantized matmul against float references, and quantized checkpoints."""
 
 from __future__ import annotations
 
+import math
+
 import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from models.gguf_file import open_gguf
 from models.gguf_loader import KEPT, repack
@@ -116,7 +119,8 @@ def test_zero_rows_quantize_to_zero():
 
 
 def test_default_model_keeps_its_gguf_blocks(default_gguf):
-    from models.loader import load_model
+    from models.llama import param_specs
+    from models.loader import load_model, weight_bytes
 
     model = load_model(default_gguf, quantization="int8")
     quant = dict(model.quant)
@@ -124,6 +128,11 @@ def test_default_model_keeps_its_gguf_blocks(default_gguf):
     assert quant["layers.w_up"] == QuantFormat(4, 32, True)  # Q4_1 in the file
     assert model.layers.w_up[...].dtype == jnp.int8
     assert model.layers.w_up_min[...].shape == (30, 1536, 576 // 32)
+    # What the startup log reports: a byte per value plus, per 32 values, a float16 scale
+    # (Q8_0) or a scale and a minimum (Q4_1); the norms stay float32.
+    held, as_float32 = weight_bytes(nnx.to_pure_dict(nnx.state(model)))
+    assert as_float32 == 4 * sum(math.prod(s.shape) for s in param_specs(model.cfg).values())
+    assert 8.5 / 32 < held / as_float32 < 9 / 32 + 0.001
 
 
 def test_engine_offers_the_quantization_choices():
