@@ -42,7 +42,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, StepResult
 from engine.sampling_params import SamplingParams
 from models.llama import weight
-from ops.attention import BACKENDS
+from ops.attention import BACKENDS, KV_CACHE_DTYPES
 from ops.quantization import CHOICES as QUANTIZATION_CHOICES
 from ops.quantization import linear
 
@@ -101,6 +101,7 @@ class _IdsOnly:
 
 def build_engine(args) -> LLMEngine:
     common = dict(dtype=args.dtype, quantization=args.quantization,
+                  kv_cache_dtype=args.kv_cache_dtype,
                   max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
@@ -313,6 +314,8 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=None, help="default: all at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV pages' dtype, as the server's")
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
                    help="weight-only quantization as the server's (auto keeps a GGUF's blocks; "
                         "random weights stay float under auto)")
@@ -362,6 +365,7 @@ def main(argv=None) -> int:
            "host": platform.processor() or platform.machine(), "jax": jax.__version__,
            "model": engine.config.model, "dtype": str(np.dtype(engine.runner.dtype)),
            "quantization": args.quantization,
+           "kv_cache_dtype": engine.runner.kv_dtype.name,
            "warmup_s": warmup_s, "num_executables": len(engine.config.buckets()), **ceilings,
            "dense_t1_ms": dense_t1 * 1e3,
            **summarize(engine, timings, duration, ceilings), "args": vars(args)}

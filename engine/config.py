@@ -7,6 +7,8 @@ import dataclasses
 # The --quantization choices: ops.quantization.CHOICES (this module imports no jax; a test
 # holds the two equal).
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+# The --kv-cache-dtype choices: ops.attention.KV_CACHE_DTYPES (held equal by a test too).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
@@ -25,6 +27,8 @@ class EngineConfig:
     dtype: str = "auto"                 # float32 | bfloat16 | auto
     quantization: str = "auto"          # auto | none | int8 | int4: weight-only; auto keeps a
                                         # GGUF's Q8_0/Q4_0/Q4_1 blocks (ops/quantization.py)
+    kv_cache_dtype: str = "auto"        # the KV pages' dtype; auto: float16 on CPU, the
+                                        # compute dtype elsewhere (ops.attention)
     max_model_len: int = 2048           # prompt + output tokens per sequence
     max_num_seqs: int = 64              # sequences per step
     max_num_batched_tokens: int = 512   # tokens per step (prefill chunks + decodes)
@@ -53,6 +57,9 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (page 0 is reserved), "
                              f"got {self.num_blocks}")

@@ -47,6 +47,7 @@ from models.default_model import user_cache_dir
 from models.llama import param_specs
 from models.loader import load_config, resolve_dtype
 from models.sharding import sharded_config
+from ops.attention import resolve_kv_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -112,12 +113,13 @@ def kv_pages(config: EngineConfig, memory_fraction: float | None = None,
         return config.num_blocks
     cfg = load_config(config.model)
     itemsize = np.dtype(resolve_dtype(config.dtype)).itemsize
+    kv_itemsize = resolve_kv_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype)).itemsize
     tp = config.tensor_parallel_size
     run_cfg = sharded_config(cfg, tp)  # fails here, at startup, if tp cannot split the model
     # Per device: a 1/tp share of the (nearly all split) weights and of every page's KV heads.
     weights = itemsize * sum(math.prod(s.shape) for s in param_specs(cfg).values()) / tp
     page = (2 * cfg.num_layers * config.block_size * run_cfg.num_kv_heads // tp
-            * cfg.head_dim * itemsize)
+            * cfg.head_dim * kv_itemsize)
     fraction = memory_fraction or DEFAULT_MEMORY_FRACTION.get(jax.default_backend(),
                                                               DEFAULT_ACCELERATOR_FRACTION)
     memory = device_memory_bytes()

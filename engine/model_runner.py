@@ -41,7 +41,7 @@ from engine.config import EngineConfig
 from models.loader import describe_quant, load_config, load_model, resolve_dtype, weight_bytes
 from models.progress import progress_bar
 from models.sharding import kv_cache_sharding, make_mesh, replicated, sharded_config
-from ops.attention import AttentionMetadata, KVCache
+from ops.attention import AttentionMetadata, KVCache, resolve_kv_dtype
 from ops.sampling import SamplingMetadata, count_sampled, reset_slot, sample
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class ModelRunner:
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 kv = pool.submit(self._zero_kv, sharded_config(
                     load_config(config.model), config.tensor_parallel_size),
-                    resolve_dtype(config.dtype), mesh)
+                    resolve_kv_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype)), mesh)
                 model = load_model(config.model, dtype=config.dtype,
                                    attention_backend=config.attention_backend, mesh=mesh,
                                    quantization=config.quantization)
@@ -113,11 +113,12 @@ class ModelRunner:
         self.mesh = model.mesh
         self.model_config = model.cfg  # with a mesh: KV heads repeated up to its size if fewer
         self.dtype = model.dtype
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.graphdef, self.state = nnx.split(model)
         self.kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
         if kv is None or (kv.k.shape, kv.k.dtype) != (self._kv_shape(self.model_config),
-                                                      np.dtype(self.dtype)):
-            kv = self._zero_kv(self.model_config, self.dtype, self.mesh)
+                                                      self.kv_dtype):
+            kv = self._zero_kv(self.model_config, self.kv_dtype, self.mesh)
         self.kv = kv
         self.slot_state = self._zero_slot_state()
         self._executables: dict[tuple[str, int], object] = {}
@@ -130,12 +131,13 @@ class ModelRunner:
             "%s: %s compute, %.1f MiB of weights (%.0f%% of float32)%s, %s attention, "
             "max_model_len %d, "
             "max_num_seqs %d, max_num_batched_tokens %d, %d KV pages of %d tokens (%d tokens, "
-            "%.2f GiB); executables: a body per token count %s, a head per sequence count %s",
+            "%.2f GiB in %s); executables: a body per token count %s, a head per sequence count %s",
             config.name or config.model, np.dtype(self.dtype).name, held / 2**20,
             100 * held / as_float32, describe_quant(dict(model.quant)), model.attention_backend,
             config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
             config.total_blocks, config.block_size, config.total_blocks * config.block_size,
-            self.kv_bytes() / 2**30, list(config.token_buckets), list(config.seq_buckets))
+            self.kv_bytes() / 2**30, self.kv_dtype.name, list(config.token_buckets),
+            list(config.seq_buckets))
         self.compilations_after_warmup = 0
         self.warm = False
         # Overlapped steps pay off where the step runs beside the host, not on its cores:

@@ -23,13 +23,16 @@ def _bucket(n: int) -> int:
 
 
 class GreedyDecoder:
-    def __init__(self, model: Llama, *, max_len: int = 1024, page_size: int = 16):
+    def __init__(self, model: Llama, *, max_len: int = 1024, page_size: int = 16,
+                 kv_dtype=None):
+        """`kv_dtype`: the KV pages' dtype (default: the model's compute dtype)."""
         cfg = model.cfg
         self.cfg, self.page_size = cfg, page_size
         self.num_pages = -(-max_len // page_size)
         self.max_len = self.num_pages * page_size
         self.graphdef, self.state = nnx.split(model)
         self.dtype = model.dtype
+        self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
         self.kv_sharding = None if model.mesh is None else kv_cache_sharding(model.mesh)
 
         def step(state, tokens, positions, cache, md, logits_indices):
@@ -41,7 +44,7 @@ class GreedyDecoder:
     def new_cache(self) -> KVCache:
         # Page 0 is the dummy page for padded rows; the sequence uses pages 1..num_pages.
         return KVCache.zeros(self.cfg.num_layers, self.num_pages + 1, self.page_size,
-                             self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype,
+                             self.cfg.num_kv_heads, self.cfg.head_dim, self.kv_dtype,
                              self.kv_sharding)
 
     def run(self, cache: KVCache, tokens: list[int], start: int, all_logits: bool = False):

@@ -217,21 +217,26 @@ def main(argv=None) -> int:
                         help="load our weights quantized (as the server's flag) and measure "
                              "top-1 agreement and KL against the float32 reference instead of "
                              "greedy parity, which runs on float weights")
+    parser.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "float16"],
+                        help="hold our KV pages in this dtype and measure top-1 agreement and "
+                             "KL against the float32 reference instead of greedy parity")
     parser.add_argument("--min-agreement", type=float,
-                        help="with --quantization: fail if the mean top-1 agreement is below")
+                        help="with --quantization or --kv-cache-dtype: fail if the mean "
+                             "top-1 agreement is below")
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
         parser.error("--max-tokens must be at least 1")
-    if args.min_agreement is not None and args.quantization is None:
-        parser.error("--min-agreement needs --quantization")
+    measured = args.quantization is not None or args.kv_cache_dtype is not None
+    if args.min_agreement is not None and not measured:
+        parser.error("--min-agreement needs --quantization or --kv-cache-dtype")
 
     tokenizer = Tokenizer.from_path(args.model)
     prompts = [encode_prompt(tokenizer, p) for p in read_prompts(args.prompts)]
     longest = max(len(p) for p in prompts) + args.max_tokens
     model = load_model(args.model, dtype="float32", quantization=args.quantization or "none")
-    decoder = GreedyDecoder(model, max_len=longest)
+    decoder = GreedyDecoder(model, max_len=longest, kv_dtype=args.kv_cache_dtype)
     ref_model = load_reference(args.model)
-    if args.quantization is None:
+    if not measured:
         return check_greedy(decoder, ref_model, prompts, args.max_tokens)
     return check_agreement(decoder, ref_model, prompts, args.max_tokens, args.min_agreement)
 

@@ -22,7 +22,31 @@ TENSOR_AXIS = "tensor"
 # ---- KV cache layout ---------------------------------------------------------------
 #
 # k, v: [L, P, page_size, Hkv, D] -- layers stacked so the scanned model step indexes
-# layer l; page 0 is a reserved dummy page that padded tokens write into.
+# layer l; page 0 is a reserved dummy page that padded tokens write into. The pages hold
+# K/V in their own dtype (--kv-cache-dtype); every backend reads that and computes in q's.
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_kv_dtype(name: str, compute_dtype, platform: str | None = None):
+    """The dtype of an engine's KV pages for `--kv-cache-dtype name` on `platform` (default:
+    the default backend's). `auto`: float16 on CPU (half the bytes of float32 to hold and to
+    read; llama.cpp's default too), the compute dtype elsewhere. bfloat16 pages are refused
+    on CPU: XLA:CPU has no native bfloat16 scatter or gather and converts the whole pool to
+    float32 and back for each layer's write (a 1,025-page pool: 3.5 s a step instead of
+    0.1 ms; reads 10x slower), while float16 runs natively (attention 20% faster than
+    float32, docs/performance.md)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {name!r}; choose from "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    platform = platform or jax.default_backend()
+    if name == "auto":
+        return jnp.dtype(jnp.float16) if platform == "cpu" else jnp.dtype(compute_dtype)
+    if name == "bfloat16" and platform == "cpu":
+        raise ValueError("--kv-cache-dtype bfloat16 is not supported on CPU (XLA:CPU converts "
+                         "the whole KV pool for every write: seconds a step); use float16, "
+                         "the default there")
+    return jnp.dtype(name)
 
 
 @jax.tree_util.register_dataclass
@@ -124,8 +148,9 @@ def check_inputs(q, cache: KVCache, md: AttentionMetadata) -> None:
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {kv_head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not divisible by num_kv_heads {num_kv_heads}")
-    if q.dtype != cache.k.dtype or cache.k.dtype != cache.v.dtype:
-        raise ValueError(f"dtypes must match: q {q.dtype}, k {cache.k.dtype}, v {cache.v.dtype}")
+    if cache.k.dtype != cache.v.dtype or cache.k.dtype.name not in KV_CACHE_DTYPES:
+        raise ValueError(f"cache k and v must share a dtype of {', '.join(KV_CACHE_DTYPES[1:])}; "
+                         f"got k {cache.k.dtype}, v {cache.v.dtype}")
     for name in ("query_start_loc", "kv_lens", "page_tables", "positions", "token_seq"):
         if getattr(md, name).dtype != jnp.int32:
             raise ValueError(f"md.{name} must be int32, got {getattr(md, name).dtype}")
@@ -241,8 +266,8 @@ def ref_ragged_paged_attention(
 
     # 1. This step's tokens: [Hkv, T * G, T] scores, row t * G + g.
     page, offset = md.slot_mapping // page_size, md.slot_mapping % page_size
-    k_new = cache.k[layer, page, offset].transpose(1, 0, 2)  # [Hkv, T, D]
-    v_new = cache.v[layer, page, offset].transpose(1, 0, 2)
+    k_new = cache.k[layer, page, offset].transpose(1, 0, 2).astype(q.dtype)  # [Hkv, T, D]
+    v_new = cache.v[layer, page, offset].transpose(1, 0, 2).astype(q.dtype)
     q_heads = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, num_tokens * group, head_dim)
     s = capped(jnp.einsum("kmd,knd->kmn", q_heads, k_new, preferred_element_type=f32))
     s = s.reshape(num_kv_heads, num_tokens, group, num_tokens)
@@ -275,8 +300,9 @@ def ref_ragged_paged_attention(
             acc, m_prev, l_prev = carry
             cols = jax.lax.dynamic_slice_in_dim(tables, b * pages_per_block, pages_per_block, 1)
             pages = cols[sq]  # [R, pages_per_block]: whole pages, copied as slabs
-            k = cache.k[layer, pages].reshape(rows_per_block, block_kv, num_kv_heads, head_dim)
-            v = cache.v[layer, pages].reshape(rows_per_block, block_kv, num_kv_heads, head_dim)
+            shape = (rows_per_block, block_kv, num_kv_heads, head_dim)
+            k = cache.k[layer, pages].reshape(shape).astype(q.dtype)  # the block, in cache
+            v = cache.v[layer, pages].reshape(shape).astype(q.dtype)
             s = capped(jnp.einsum("rkgd,rnkd->rkgn", qb, k, preferred_element_type=f32))
             kv_pos = b * block_kv + offsets
             seen = (kv_pos[None, :] < hist[:, None]) & (kv_pos[None, :] >= low[:, None])

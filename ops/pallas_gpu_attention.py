@@ -115,8 +115,8 @@ def _kernel(
         acc, m_prev, l_prev = carry  # [M, D], [M], [M]
         first_page = start + b * pages_per_block
         pages = tables_ref[seq, pl.ds(first_page, pages_per_block)]  # [pages_per_block]
-        k = k_ref[layer, pages, :, head, :].reshape(block_k, head_dim)
-        v = v_ref[layer, pages, :, head, :].reshape(block_k, head_dim)
+        k = k_ref[layer, pages, :, head, :].reshape(block_k, head_dim).astype(q.dtype)
+        v = v_ref[layer, pages, :, head, :].reshape(block_k, head_dim).astype(q.dtype)
         # HIGHEST: float32 inputs get an IEEE dot instead of TF32; no effect on bf16.
         s = pl_triton.dot(q, k, trans_b=True, precision=jax.lax.Precision.HIGHEST) * sm_scale
         if soft_cap is not None:

@@ -140,7 +140,7 @@ def _kernel(
             for_each_page_copy(block + 1, 1 - slot, "start")
 
         for_each_page_copy(block, slot, "wait")
-        k, v = k_buf[slot], v_buf[slot]  # [block_kv, D]
+        k, v = k_buf[slot].astype(q.dtype), v_buf[slot].astype(q.dtype)  # [block_kv, D]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * sm_scale  # [M, block_kv]
         if soft_cap is not None:
@@ -177,13 +177,14 @@ def _kernel(
 
 def _validate(q, cache: KVCache, md: AttentionMetadata, block_q, pages_per_block):
     check_inputs(q, cache, md)
-    if q.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"dtype must be float32 or bfloat16, got {q.dtype}")
+    for what, dtype in (("q", q.dtype), ("KV cache", cache.k.dtype)):
+        if dtype not in (jnp.float32, jnp.bfloat16):
+            raise ValueError(f"{what} dtype must be float32 or bfloat16, got {dtype}")
     # TPU tiling: pages stack along sublanes (8 rows of 32 bits, 16 of bf16); D fills lanes.
-    sublanes = 8 * (4 // q.dtype.itemsize)
+    sublanes = 8 * (4 // cache.k.dtype.itemsize)
     if cache.page_size % sublanes:
-        raise ValueError(f"page_size must be a multiple of {sublanes} for {q.dtype}, "
-                         f"got {cache.page_size}")
+        raise ValueError(f"page_size must be a multiple of {sublanes} for a {cache.k.dtype} "
+                         f"KV cache, got {cache.page_size}")
     if q.shape[2] % 64:
         raise ValueError(f"head_dim must be a multiple of 64, got {q.shape[2]}")
     for name, n in (("block_q", block_q), ("pages_per_block", pages_per_block)):

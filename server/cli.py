@@ -17,7 +17,7 @@ import sys
 
 import uvicorn
 
-from engine.config import QUANTIZATION_CHOICES
+from engine.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 from engine.launch import parse_model_arg, start_engines
 from server.app import MAX_BODY_BYTES, MAX_HEADERS, build_app
 
@@ -42,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
                         "Q8_0/Q4_0/Q4_1 blocks as they are and loads the rest in float; none "
                         "loads every weight in float; int8 (per output channel) or int4 (groups "
                         "of 32 with minimums, 8-bit embeddings) quantize the others at load")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV pages' dtype: auto (default) is float16 on CPU and the compute "
+                        "dtype on GPU/TPU; attention reads it and computes in the compute dtype")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             specs[0] = dataclasses.replace(specs[0], name=args.served_model_name)
         engines = start_engines(
             specs, memory_fraction=args.gpu_memory_utilization, dtype=args.dtype,
-            quantization=args.quantization,
+            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.page_size,
             num_blocks=args.num_pages, enable_prefix_caching=args.enable_prefix_caching,

@@ -38,7 +38,8 @@ def engine(default_gguf):
 def plain(engine):
     from flax import nnx
 
-    return GreedyDecoder(nnx.merge(engine.runner.graphdef, engine.runner.state), max_len=512)
+    return GreedyDecoder(nnx.merge(engine.runner.graphdef, engine.runner.state), max_len=512,
+                         kv_dtype=engine.runner.kv_dtype)  # float16 on CPU: the default
 
 
 @pytest.fixture(autouse=True)

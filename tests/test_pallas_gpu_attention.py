@@ -135,7 +135,7 @@ def test_lowers_to_triton_for_cuda(splits):
 
 @pytest.mark.parametrize("bad, match", [
     (lambda q, c, md: (q[:, :3], c, md), "not divisible"),
-    (lambda q, c, md: (q.astype(jnp.bfloat16), c, md), "dtypes must match"),
+    (lambda q, c, md: (q, KVCache(c.k, c.v.astype(jnp.bfloat16)), md), "share a dtype"),
     (lambda q, c, md: (q, c, dataclasses.replace(md, page_tables=md.page_tables.astype(jnp.int16))),
      "int32"),
     (lambda q, c, md: (q[..., :48], KVCache(c.k[..., :48], c.v[..., :48]), md),

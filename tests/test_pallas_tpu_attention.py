@@ -108,7 +108,7 @@ def _cast(dtype):
     (lambda q, c, md: (q, KVCache(c.k, c.v[:, :-1]), md), r"\[L, P, page, Hkv, D\]"),
     (lambda q, c, md: (q[..., :32], c, md), "head_dim"),
     (lambda q, c, md: (q[:, :3], c, md), "not divisible"),
-    (lambda q, c, md: (q.astype(jnp.bfloat16), c, md), "dtypes must match"),
+    (lambda q, c, md: (q, KVCache(c.k, c.v.astype(jnp.bfloat16)), md), "share a dtype"),
     (_cast(jnp.float16), "float32 or bfloat16"),
     (lambda q, c, md: (q, KVCache(c.k[:, :, :12], c.v[:, :, :12]), md), "multiple of 8"),
     (lambda q, c, md: (q[..., :32], KVCache(c.k[..., :32], c.v[..., :32]), md),

@@ -1,0 +1,100 @@
+"""`--kv-cache-dtype`: KV pages held in float16 / bfloat16 / float32, read by every attention
+backend in their stored dtype and computed in the compute dtype; the engine's writes,
+prefix-cache hits and preemption give the tokens of one plain decode with pages of the
+same dtype."""
+
+from __future__ import annotations
+
+import random
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_cases import LAYER, make_case, oracle, rel_err
+
+from engine.config import KV_CACHE_DTYPES, EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from ops import attention
+from ops.attention import KVCache, ref_ragged_paged_attention, resolve_kv_dtype
+from ops.pallas_gpu_attention import pallas_gpu_ragged_paged_attention
+from ops.pallas_tpu_attention import pallas_tpu_ragged_paged_attention
+
+
+def test_engine_offers_the_kv_cache_dtypes():
+    assert KV_CACHE_DTYPES == attention.KV_CACHE_DTYPES
+
+
+def test_auto_and_refusals_by_platform():
+    assert resolve_kv_dtype("auto", jnp.float32, "cpu") == jnp.float16
+    assert resolve_kv_dtype("auto", jnp.bfloat16, "gpu") == jnp.bfloat16
+    assert resolve_kv_dtype("auto", jnp.bfloat16, "tpu") == jnp.bfloat16
+    assert resolve_kv_dtype("float32", jnp.bfloat16, "gpu") == jnp.float32
+    assert resolve_kv_dtype("bfloat16", jnp.bfloat16, "gpu") == jnp.bfloat16
+    with pytest.raises(ValueError, match="not supported on CPU.*float16"):
+        resolve_kv_dtype("bfloat16", jnp.float32, "cpu")
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'int3'"):
+        resolve_kv_dtype("int3", jnp.float32, "cpu")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(model="m.gguf", kv_cache_dtype="fp4")
+
+
+KERNELS = {
+    "reference": ref_ragged_paged_attention,
+    "pallas-gpu": pallas_gpu_ragged_paged_attention,  # interpreted on CPU
+    "pallas-tpu": pallas_tpu_ragged_paged_attention,  # interpreted on CPU
+}
+
+
+@pytest.mark.parametrize("kernel, kv_dtype", [
+    ("reference", "float16"), ("reference", "bfloat16"),
+    ("pallas-gpu", "float16"), ("pallas-gpu", "bfloat16"),
+    ("pallas-tpu", "bfloat16"),  # Mosaic takes float32 and bfloat16 pages only
+])
+def test_attention_reads_pages_in_their_dtype(kernel, kv_dtype):
+    case = make_case("mixed", num_kv_heads=2, group=2, head_dim=64, page_size=16)
+    low = KVCache(case.cache.k.astype(kv_dtype), case.cache.v.astype(kv_dtype))
+    widened = KVCache(low.k.astype(jnp.float32), low.v.astype(jnp.float32))
+    out = KERNELS[kernel](case.q, low, LAYER, case.md, sm_scale=0.125)
+    assert out.dtype == jnp.float32  # computed in q's dtype, not the pages'
+    # The same values in float32 pages, through the float64 oracle: only summation differs.
+    want = oracle(case.q, widened, LAYER, case.md, sm_scale=0.125)
+    assert rel_err(out, want) < 1e-5
+    np.testing.assert_array_equal(np.asarray(out)[case.num_real_rows:], 0.0)
+
+
+WORDS = "the a sea light keeper engine never sleeps tide stone harbour night".split()
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_engine_writes_prefix_hits_and_preemption_equal_plain_decode(default_gguf, kv_dtype):
+    from flax import nnx
+
+    from models.generate import GreedyDecoder
+
+    rng = random.Random(0)
+    shared = " ".join(rng.choice(WORDS) for _ in range(60))
+    prompts = [shared + f" {w}" for w in WORDS[:4]] + [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30))) for _ in range(4)]
+    # 17 pages: one 256-token sequence's 16 and the reserved page, far less than eight
+    # sequences need together, so steps preempt.
+    cfg = EngineConfig(model=str(default_gguf), dtype="float32", kv_cache_dtype=kv_dtype,
+                       max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                       num_blocks=17)
+    engine = LLMEngine(cfg)
+    assert engine.runner.kv.k.dtype == jnp.dtype(kv_dtype)
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = engine.generate(prompts, p)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.prefix_cache_hits > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    plain = GreedyDecoder(nnx.merge(engine.runner.graphdef, engine.runner.state),
+                          max_len=256, kv_dtype=kv_dtype)
+    for out in outs:
+        want, logits = plain.generate(out.prompt_token_ids, p.max_tokens)
+        got = out.outputs[0].token_ids
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            if a != b:  # only at a near-tie, and only after which the two may part
+                top2 = np.sort(logits[i])[-2:]
+                assert a == int(np.argsort(logits[i])[-2]) and top2[1] - top2[0] < 1e-3
+                break
