@@ -47,6 +47,8 @@ class EngineStats:
     kv_usage: float = 0.0               # fraction of usable KV blocks held by sequences
     num_free_blocks: int = 0
     num_usable_blocks: int = 0
+    kv_cache_bytes: int = 0             # the KV pool's bytes on the device
+    weight_bytes: int = 0               # the weights' bytes on the device
     prefix_cache_queries: int = 0       # full blocks looked up in the prefix cache
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
@@ -215,7 +217,8 @@ class AsyncEngine:
         return EngineStats(
             num_running=len(sched.running), num_waiting=self.num_waiting,
             kv_usage=bm.usage, num_free_blocks=bm.num_free_blocks,
-            num_usable_blocks=bm.num_usable_blocks,
+            num_usable_blocks=bm.num_usable_blocks, kv_cache_bytes=engine.runner.kv_bytes(),
+            weight_bytes=engine.runner.weight_bytes,
             prefix_cache_queries=done.prefix_cache_queries + bm.prefix_cache_queries,
             prefix_cache_hits=done.prefix_cache_hits + bm.prefix_cache_hits,
             num_preemptions=done.num_preemptions + sched.num_preemptions,

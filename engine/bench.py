@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from engine.config import EngineConfig
+from engine.device import kv_pages
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, StepResult
 from engine.sampling_params import SamplingParams
@@ -124,6 +125,8 @@ def build_engine(args) -> LLMEngine:
     from models.default_model import fetch_default_model
 
     cfg = EngineConfig(model=args.model or str(fetch_default_model()), **common)
+    # The KV pool the server would give this model (its default budget, engine.device).
+    cfg = dataclasses.replace(cfg, num_blocks=kv_pages(cfg))
     return LLMEngine(cfg, detokenize=False)
 
 

@@ -11,6 +11,26 @@ QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def parse_bytes(text: str | int) -> int:
+    """'768MiB', '2GiB', '1.5G', '4096' -> bytes (KiB/MiB/GiB binary, K/M/G and KB/MB/GB
+    decimal): the value of --kv-cache-memory-bytes."""
+    if isinstance(text, int):
+        return text
+    units = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+             "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+             "gib": 2**30, "tib": 2**40}
+    s = str(text).strip().lower()
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = s[len(number):].strip()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise ValueError(f"not a size in bytes: {text!r} (e.g. 768MiB, 2GiB, 1.5G)") from None
+    if value <= 0:
+        raise ValueError(f"a size in bytes must be positive, got {text!r}")
+    return int(value)
+
+
 def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
     out, n = [], lo
     while n < hi:

@@ -89,11 +89,21 @@ def init_distributed(coordinator_address: str, num_processes: int, process_id: i
     return jax.device_count()
 
 
-# Without --num-pages or --gpu-memory-utilization, the KV cache holds every sequence at full
-# length, but takes at most this fraction of device memory (host RAM on CPU, which the rest
-# of the machine shares).
-DEFAULT_MEMORY_FRACTION = {"cpu": 0.3}
+# Without --num-pages, --kv-cache-memory-bytes or --gpu-memory-utilization, the KV pool holds
+# every sequence at full length, but takes at most: on CPU this share of RAM (which the rest of
+# the machine shares; requests beyond it wait for pages or are preempted, as with llama.cpp's
+# -c), on an accelerator this fraction of its memory after the weights.
+DEFAULT_CPU_KV_SHARE = 1 / 32
 DEFAULT_ACCELERATOR_FRACTION = 0.9
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux), or None where /proc is not there."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def device_memory_bytes() -> int:
@@ -105,35 +115,53 @@ def device_memory_bytes() -> int:
 
 
 def kv_pages(config: EngineConfig, memory_fraction: float | None = None,
-             num_models: int = 1) -> int:
-    """KV pages (incl. the reserved page 0) for `config`. With a fraction: what fits in that
-    share of device memory after the weights. Without: enough for every sequence at full
-    length, capped by the default fraction."""
+             num_models: int = 1, kv_memory_bytes: int | None = None) -> int:
+    """KV pages (incl. the reserved page 0) for `config`. With `kv_memory_bytes`: what fits in
+    that many bytes (per model). With a fraction: what fits in that share of device memory
+    after the weights. Without either: enough for every sequence at full length, capped by
+    the platform's default budget. Fewer pages than one `max_model_len` sequence needs is a
+    startup error naming the budget."""
     if config.num_blocks is not None:
         return config.num_blocks
     cfg = load_config(config.model)
     itemsize = np.dtype(resolve_dtype(config.dtype)).itemsize
-    kv_itemsize = resolve_kv_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype)).itemsize
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype))
     tp = config.tensor_parallel_size
     run_cfg = sharded_config(cfg, tp)  # fails here, at startup, if tp cannot split the model
     # Per device: a 1/tp share of the (nearly all split) weights and of every page's KV heads.
     weights = itemsize * sum(math.prod(s.shape) for s in param_specs(cfg).values()) / tp
     page = (2 * cfg.num_layers * config.block_size * run_cfg.num_kv_heads // tp
-            * cfg.head_dim * kv_itemsize)
-    fraction = memory_fraction or DEFAULT_MEMORY_FRACTION.get(jax.default_backend(),
-                                                              DEFAULT_ACCELERATOR_FRACTION)
+            * cfg.head_dim * kv_dtype.itemsize)
     memory = device_memory_bytes()
-    if jax.default_backend() == "cpu":
+    cpu = jax.default_backend() == "cpu"
+    if cpu:
         memory /= tp  # (fake) CPU devices share one RAM
-    budget = fraction * memory / num_models - weights
-    fit = int(budget // page)
-    if fit < 2:
-        raise ValueError(f"{config.model}: {fraction:.0%} of device memory "
-                         f"({memory / 2**30:.1f} GiB) leaves no room for KV pages "
-                         f"after {weights / 2**30:.2f} GiB of weights")
-    pages = fit if memory_fraction else min(fit, config.total_blocks)
-    logger.info("KV cache for %s: %d pages of %d tokens (%.2f GiB)", config.model, pages,
-                config.block_size, pages * page / 2**30)
+    if kv_memory_bytes is not None:
+        budget = kv_memory_bytes / tp
+        what = f"--kv-cache-memory-bytes ({kv_memory_bytes / 2**30:.2f} GiB)"
+    elif memory_fraction is not None or not cpu:
+        fraction = memory_fraction or DEFAULT_ACCELERATOR_FRACTION
+        budget = fraction * memory / num_models - weights
+        what = (f"{fraction:.0%} of device memory ({memory / 2**30:.1f} GiB) after "
+                f"{weights / 2**30:.2f} GiB of weights")
+    else:
+        budget = DEFAULT_CPU_KV_SHARE * memory / num_models
+        what = (f"the default KV budget, 1/{round(1 / DEFAULT_CPU_KV_SHARE)} of RAM "
+                f"({budget / 2**30:.2f} GiB)")
+    fit = max(int(budget // page), 0)
+    explicit = kv_memory_bytes is not None or memory_fraction is not None
+    pages = fit if explicit else min(fit, config.total_blocks)
+    need = -(-config.max_model_len // config.block_size)
+    if pages - 1 < need:
+        raise ValueError(
+            f"{config.model}: {what} holds {max(pages - 1, 0)} KV pages of "
+            f"{config.block_size} tokens, fewer than one sequence of max_model_len "
+            f"{config.max_model_len} needs ({need}): give the KV cache more memory "
+            f"(--kv-cache-memory-bytes, --gpu-memory-utilization, --num-pages) or lower "
+            f"--max-model-len")
+    logger.info("KV cache for %s: %d pages of %d tokens (%d tokens, %.2f GiB in %s; budget: "
+                "%s)", config.model, pages, config.block_size, pages * config.block_size,
+                pages * page / 2**30, kv_dtype.name, what)
     return pages
 
 

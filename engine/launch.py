@@ -41,16 +41,17 @@ def parse_model_arg(value: str | None) -> ModelSpec:
 
 
 def start_engines(specs: list[ModelSpec], memory_fraction: float | None = None,
-                  **engine_options) -> Engines:
-    """Load and warm up one engine per model (in order); returns them by served name."""
+                  kv_memory_bytes: int | None = None, **engine_options) -> Engines:
+    """Load and warm up one engine per model (in order); returns them by served name.
+    `memory_fraction`, `kv_memory_bytes`: the KV pool's budget (engine.device.kv_pages)."""
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"served model names must be unique, got {names}")
     engines = {}
     for spec in specs:
         config = EngineConfig(model=spec.path, name=spec.name, **engine_options)
-        config = dataclasses.replace(config, num_blocks=kv_pages(config, memory_fraction,
-                                                                 len(specs)))
+        config = dataclasses.replace(config, num_blocks=kv_pages(
+            config, memory_fraction, len(specs), kv_memory_bytes))
         logger.info("Loading %s from %s", spec.name, spec.path)
         engines[spec.name] = AsyncEngine(config)
     return Engines(engines)

@@ -127,6 +127,7 @@ class ModelRunner:
             jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat)
         self.num_stored_loads = 0  # executables deserialized from the store, not compiled
         held, as_float32 = weight_bytes(nnx.to_pure_dict(self.state))
+        self.weight_bytes = held
         logger.info(
             "%s: %s compute, %.1f MiB of weights (%.0f%% of float32)%s, %s attention, "
             "max_model_len %d, "
@@ -244,6 +245,7 @@ class ModelRunner:
         """Compile every executable of the table (two at a time: XLA's compiler is largely
         single-threaded) and run each once on padding; returns seconds taken."""
         logger.info("Beginning dummy run.")
+        rss_before = device.resident_bytes()
         start = time.perf_counter()
         loaded_before = self.num_stored_loads
         buckets = self.config.buckets()
@@ -270,7 +272,24 @@ class ModelRunner:
         logger.info("Dummy run completed in %.2fs (%d executables in %.2fs: %d loaded from the "
                     "executable store, %d compiled; then each run once on padding).", elapsed,
                     len(buckets), compiled - start, loaded, len(buckets) - loaded)
+        self._log_memory(rss_before)
         return elapsed
+
+    def _log_memory(self, rss_before_warmup: int | None) -> None:
+        """The startup memory breakdown: what the process holds once ready, and of what."""
+        rss = device.resident_bytes()
+        mib = lambda b: b / 2**20
+        tokens = self.config.total_blocks * self.config.block_size
+        parts = (f"weights {mib(self.weight_bytes):.0f} MiB, KV pool {mib(self.kv_bytes()):.0f} "
+                 f"MiB ({tokens} tokens in {self.kv_dtype.name})")
+        if rss is None or self.mesh is not None or jax.devices()[0].platform != "cpu":
+            logger.info("Memory on the device: %s", parts)  # host RSS says nothing of it
+            return
+        grown = rss - rss_before_warmup
+        other = rss - self.weight_bytes - self.kv_bytes() - grown
+        logger.info("Memory: %.0f MiB resident: %s, compiled executables and what compiling "
+                    "kept %.0f MiB, everything else (Python, jaxlib, tokenizer) %.0f MiB",
+                    mib(rss), parts, mib(grown), mib(other))
 
     def _executable(self, bucket: tuple[str, int]):
         exe = self._executables.get(bucket)
@@ -326,4 +345,5 @@ class ModelRunner:
         self.warm = False
 
     def kv_bytes(self) -> int:
+        """Bytes of the KV pool (every page, on the device)."""
         return self.kv.k.nbytes + self.kv.v.nbytes

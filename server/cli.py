@@ -17,7 +17,7 @@ import sys
 
 import uvicorn
 
-from engine.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
+from engine.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, parse_bytes
 from engine.launch import parse_model_arg, start_engines
 from server.app import MAX_BODY_BYTES, MAX_HEADERS, build_app
 
@@ -55,7 +55,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                    help="fill this fraction of device memory (RAM on CPU) with weights and KV "
                         "pages; default: pages for every sequence at full length, capped at "
-                        "0.9 of an accelerator or 0.3 of RAM")
+                        "0.9 of an accelerator or, on CPU, at 1/32 of RAM for the KV pages")
+    p.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None, metavar="SIZE",
+                   help="the KV pool's size per model (e.g. 768MiB, 2GiB), instead of the "
+                        "defaults above; requests beyond it wait for pages or are preempted")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="past this many waiting requests, new ones get 429")
     p.add_argument("--attention-backend", default="auto",
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "name several models with --model NAME=PATH")
             specs[0] = dataclasses.replace(specs[0], name=args.served_model_name)
         engines = start_engines(
-            specs, memory_fraction=args.gpu_memory_utilization, dtype=args.dtype,
+            specs, memory_fraction=args.gpu_memory_utilization,
+            kv_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype,
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.page_size,

@@ -36,6 +36,10 @@ class FakeRunner:
         self.paused = threading.Event()  # set once a call has blocked on pause_after
         self.unpaused = False  # unpause() came first: the pause no longer happens
         self.last = np.zeros(1024, np.int32)  # each slot's last sampled token (a device's)
+        self.weight_bytes = 0  # no device memory
+
+    def kv_bytes(self) -> int:
+        return 0
 
     def unpause(self):
         """Unblock a paused step, or cancel the pause if no step has reached it yet (a

@@ -25,18 +25,43 @@ def test_model_arguments(default_gguf, tmp_path):
 
 
 def test_kv_pages_from_memory(default_gguf, monkeypatch):
+    import dataclasses
+
     gib = 2**30
     monkeypatch.setattr(device, "device_memory_bytes", lambda: 4 * gib)
-    cfg = EngineConfig(model=str(default_gguf), dtype="float32", max_model_len=256,
-                       max_num_seqs=4)
+    cfg = EngineConfig(model=str(default_gguf), dtype="float32", kv_cache_dtype="float32",
+                       max_model_len=256, max_num_seqs=4)
     # SmolLM2-135M: 30 layers, 3 KV heads of 64 -> a 16-token float32 page is 2*30*16*3*64*4 B
     page = 2 * 30 * 16 * 3 * 64 * 4
     weights = 4 * 134_515_008
     assert launch.kv_pages(cfg, memory_fraction=0.5) == int((0.5 * 4 * gib - weights) // page)
     # two models share the fraction
     assert launch.kv_pages(cfg, 0.5, num_models=2) == int((0.25 * 4 * gib - weights) // page)
-    # default: pages for every sequence at full length, within the default cap
+    # default: pages for every sequence at full length ...
     assert launch.kv_pages(cfg) == cfg.total_blocks == 1 + 4 * 16
+    # ... within 1/32 of RAM on CPU (64 x 2048 tokens would take 5.6 GiB)
+    many = dataclasses.replace(cfg, max_num_seqs=64, max_model_len=2048)
+    assert launch.kv_pages(many) == int(4 * gib / 32 // page) == 182
+    # float16 pages (the default on CPU): twice as many in the same budget
+    assert launch.kv_pages(dataclasses.replace(many, kv_cache_dtype="auto")) == 364
+    # an explicit budget, whatever the need
+    assert launch.kv_pages(many, kv_memory_bytes=200 * page) == 200
     assert launch.kv_pages(EngineConfig(model=str(default_gguf), num_blocks=7)) == 7
-    with pytest.raises(ValueError, match="leaves no room for KV pages"):
+    # a budget too small for one max_model_len sequence (128 pages) is a startup error
+    with pytest.raises(ValueError, match=r"holds 99 KV pages of 16 tokens, fewer than one "
+                                         r"sequence of max_model_len 2048 needs \(128\)"):
+        launch.kv_pages(many, kv_memory_bytes=100 * page)
+    with pytest.raises(ValueError, match="fewer than one sequence"):
         launch.kv_pages(cfg, memory_fraction=0.1)
+
+
+def test_sizes_in_bytes():
+    from engine.config import parse_bytes
+
+    assert parse_bytes("768MiB") == 768 * 2**20
+    assert parse_bytes("2GiB") == 2 * 2**30
+    assert parse_bytes("1.5G") == 1_500_000_000
+    assert parse_bytes("4096") == 4096
+    for bad in ("lots", "12XB", "-1G", "0"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)

@@ -52,6 +52,14 @@ def idle(url: str) -> bool:
 # ---- check 1: results through the official client ---------------------------------------------
 
 
+def test_metrics_report_the_kv_pool_and_weight_bytes(live_server):
+    m = metrics(live_server)
+    page = 2 * 30 * 16 * 3 * 64 * 2  # a 16-token float16 page of SmolLM2-135M (CPU default)
+    assert m["kv_cache_bytes"] == (m["num_kv_blocks"] + 1) * page  # page 0 included
+    # The file's Q4_1 / Q8_0 blocks, a byte a value (--quantization auto)
+    assert 0.26 < m["weight_bytes"] / (4 * 134_515_008) < 0.29
+
+
 def test_models_list(client):
     assert [m.id for m in client.models.list()] == [MODEL]
 
