@@ -24,6 +24,13 @@ from server.app import MAX_BODY_BYTES, MAX_HEADERS, build_app
 logger = logging.getLogger("server")
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:  # argparse shows this message instead of "invalid value"
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -56,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
                    help="fill this fraction of device memory (RAM on CPU) with weights and KV "
                         "pages; default: pages for every sequence at full length, capped at "
                         "0.9 of an accelerator or, on CPU, at 1/32 of RAM for the KV pages")
-    p.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None, metavar="SIZE",
+    p.add_argument("--kv-cache-memory-bytes", type=_size, default=None, metavar="SIZE",
                    help="the KV pool's size per model (e.g. 768MiB, 2GiB), instead of the "
                         "defaults above; requests beyond it wait for pages or are preempted")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
