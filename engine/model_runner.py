@@ -130,9 +130,9 @@ class ModelRunner:
         self.weight_bytes = held
         logger.info(
             "%s: %s compute, %.1f MiB of weights (%.0f%% of float32)%s, %s attention, "
-            "max_model_len %d, "
-            "max_num_seqs %d, max_num_batched_tokens %d, %d KV pages of %d tokens (%d tokens, "
-            "%.2f GiB in %s); executables: a body per token count %s, a head per sequence count %s",
+            "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, %d KV pages of %d "
+            "tokens (%d tokens, %.2f GiB in %s); executables: a body per token count %s, a head "
+            "per sequence count %s",
             config.name or config.model, np.dtype(self.dtype).name, held / 2**20,
             100 * held / as_float32, describe_quant(dict(model.quant)), model.attention_backend,
             config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,

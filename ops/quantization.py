@@ -2,7 +2,7 @@
 
 A quantized matrix is stored in the [out, in] layout of every float weight (see
 models/llama.py) as integer values `q` [..., O, I] with, per group of `group` inputs of
-one output row, a float32 scale and optionally a minimum [..., O, I / group]:
+one output row, a scale and optionally a minimum [..., O, I / group]:
 
     w = q * scale            (symmetric: int8, int4, GGUF Q8_0 and Q4_0)
     w = q * scale + min      (GGUF Q4_1: q in [0, 15])
@@ -103,26 +103,21 @@ def quantize(w, fmt: QuantFormat, *, xp=np) -> dict:
     g = cols if fmt.group == 0 else fmt.group
     fmt.scale_columns(cols)
     blocks = w.reshape(*lead, rows, cols // g, g)
+    parts = {}
     if fmt.has_min:  # as llama.cpp's Q4_1: the group's range onto [0, 15]
-        minimum = blocks.min(-1).astype(SCALE_DTYPE)
-        scale = ((blocks.max(-1) - minimum.astype(xp.float32)) / 15).astype(SCALE_DTYPE)
-        with np.errstate(divide="ignore"):
-            inv = xp.where(scale == 0, 0.0, 1.0 / scale.astype(xp.float32))
-        shifted = blocks - minimum.astype(xp.float32)[..., None]
-        q = xp.clip(xp.rint(shifted * inv[..., None]), 0, 15).astype(xp.int8)
-        return {"q": q.reshape(w.shape), "scale": scale, "min": minimum}
-    if fmt.bits == 8:
-        scale = xp.abs(blocks).max(-1) / 127
-        lo, hi = -127, 127
+        parts["min"] = blocks.min(-1).astype(SCALE_DTYPE)
+        blocks = blocks - parts["min"].astype(xp.float32)[..., None]
+        scale, lo, hi = blocks.max(-1) / 15, 0, 15
+    elif fmt.bits == 8:
+        scale, lo, hi = xp.abs(blocks).max(-1) / 127, -127, 127
     else:
         idx = xp.abs(blocks).argmax(-1)[..., None]
-        scale = xp.take_along_axis(blocks, idx, -1)[..., 0] / -8
-        lo, hi = -8, 7
+        scale, lo, hi = xp.take_along_axis(blocks, idx, -1)[..., 0] / -8, -8, 7
     scale = scale.astype(SCALE_DTYPE)  # the values are rounded against the stored scale
     with np.errstate(divide="ignore"):
         inv = xp.where(scale == 0, 0.0, 1.0 / scale.astype(xp.float32))
     q = xp.clip(xp.rint(blocks * inv[..., None]), lo, hi).astype(xp.int8)
-    return {"q": q.reshape(w.shape), "scale": scale}
+    return {"q": q.reshape(w.shape), "scale": scale, **parts}
 
 
 def dequantize(q, scale, minimum=None, *, xp=jnp, dtype=jnp.float32):
@@ -140,7 +135,7 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True) -> jax.Arra
     """x [T, I] @ w [O, I]^T -> [T, O]. `w` is a float array or a dict {"q", "scale"[, "min"]}
     (one layer's slice of a quantized parameter). `out_dtype`: accumulate and return in it
     (float32 logits from bfloat16 activations). `chunked`: dequantize group formats in
-    blocks of CHUNK_ROWS rows at more than one row (off where a mesh splits the rows)."""
+    blocks of at most CHUNK_BYTES at more than one row (off where a mesh splits the rows)."""
     dot = lambda a, b: jnp.dot(a, b.T, preferred_element_type=out_dtype)
     if not isinstance(w, dict):
         return dot(x, w)
@@ -168,11 +163,8 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True) -> jax.Arra
 
 def chunk_rows(rows: int, row_bytes: int) -> int:
     """The most rows whose dequantized block fits in CHUNK_BYTES, dividing `rows`."""
-    best = 1
-    for c in range(1, rows + 1):
-        if rows % c == 0 and c * row_bytes <= CHUNK_BYTES:
-            best = c
-    return best
+    fit = max(1, min(rows, CHUNK_BYTES // row_bytes))
+    return next(c for c in range(fit, 0, -1) if rows % c == 0)
 
 
 def embedding(table, tokens: jax.Array, dtype) -> jax.Array:
