@@ -42,7 +42,7 @@ from engine.device import kv_pages
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, StepResult
 from engine.sampling_params import SamplingParams
-from models.llama import weight
+from models.llama import param_specs, weight
 from ops.attention import BACKENDS, KV_CACHE_DTYPES
 from ops.quantization import CHOICES as QUANTIZATION_CHOICES
 from ops.quantization import linear
@@ -271,8 +271,8 @@ def summarize(engine: LLMEngine, timings, duration: float, ceilings: dict) -> di
     out_tokens = sum(t.output_len for t in done)
     in_tokens = sum(t.prompt_len for t in done)
     cfg = engine.runner.model_config
-    leaves = jax.tree.leaves(engine.runner.state)
-    n_params = sum(x.size for x in leaves)
+    # The model's weights as float parameters (a quantized matrix's scales are not FLOPs).
+    n_params = sum(int(np.prod(spec.shape)) for spec in param_specs(cfg).values())
     embed = cfg.vocab_size * cfg.hidden_size
     dense = n_params - embed - (0 if cfg.tie_word_embeddings else embed)
     flops = 2 * dense * (in_tokens + out_tokens) + 2 * embed * out_tokens

@@ -244,6 +244,14 @@ def ref_ragged_paged_attention(
        keys however few are real, so a lone decode takes 128: 30 layers at 80 keys ran in
        1.1 ms with 128-key blocks against 3.7 ms with 512, and at 1,024 to 2,000 keys the
        two were within 10%.
+
+    The running output is kept normalized (divided by its softmax sum after each block) and
+    flat, [T, H * D], so what leaves the loops is the very matrix the output projection
+    reads. XLA:CPU computes a one-row matmul as a loop into which it fuses the elementwise
+    producers of the row, reshapes included: an output divided after the loop, or reshaped
+    from [T, Hkv, G, D], was recomputed with index arithmetic for every weight row, and a
+    lone decode's output projection took 200 us a layer instead of 47 (c=1: 27 -> 22 ms
+    a token; docs/performance.md).
     """
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = cache.page_size, cache.k.shape[3]
@@ -264,6 +272,9 @@ def ref_ragged_paged_attention(
     def capped(s):
         return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
+    def normalized(acc, l):  # padded rows and rows without keys (l = 0): 0
+        return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
     # 1. This step's tokens: [Hkv, T * G, T] scores, row t * G + g.
     page, offset = md.slot_mapping // page_size, md.slot_mapping % page_size
     k_new = cache.k[layer, page, offset].transpose(1, 0, 2).astype(q.dtype)  # [Hkv, T, D]
@@ -279,8 +290,10 @@ def ref_ragged_paged_attention(
     o = jnp.einsum("kmn,knd->kmd", p.reshape(num_kv_heads, num_tokens * group, num_tokens)
                    .astype(v_new.dtype), v_new, preferred_element_type=f32)
     to_rows = lambda x: jnp.moveaxis(x, 0, 1)  # [Hkv, T, ...] -> [T, Hkv, ...]
-    state = (to_rows(o.reshape(num_kv_heads, num_tokens, group, head_dim)), to_rows(m),
-             to_rows(p.sum(-1)))  # acc [T, Hkv, G, D], max and sum [T, Hkv, G]
+    m, l = to_rows(m), to_rows(p.sum(-1))  # running max and sum [T, Hkv, G]
+    o = to_rows(o.reshape(num_kv_heads, num_tokens, group, head_dim))
+    flat = (num_tokens, num_heads * head_dim)
+    state = (normalized(o, l).reshape(flat), m, l)
 
     # 2. History, by blocks of rows and, within them, blocks of keys.
     pad = -num_tokens % rows_per_block
@@ -297,7 +310,7 @@ def ref_ragged_paged_attention(
         hist, low, sq, qb = take(history_p), take(lowest_p), take(seq_p), take(qg_p)
 
         def key_block(b, carry):
-            acc, m_prev, l_prev = carry
+            out, m_prev, l_prev = carry
             cols = jax.lax.dynamic_slice_in_dim(tables, b * pages_per_block, pages_per_block, 1)
             pages = cols[sq]  # [R, pages_per_block]: whole pages, copied as slabs
             shape = (rows_per_block, block_kv, num_kv_heads, head_dim)
@@ -312,7 +325,9 @@ def ref_ragged_paged_attention(
             correction = jnp.exp(m_prev - m_safe)
             p = jnp.exp(s - m_safe[..., None])
             pv = jnp.einsum("rkgn,rnkd->rkgd", p.astype(v.dtype), v, preferred_element_type=f32)
-            return correction[..., None] * acc + pv, m_next, correction * l_prev + p.sum(-1)
+            l_next = correction * l_prev + p.sum(-1)
+            acc = (correction * l_prev)[..., None] * out.reshape(pv.shape) + pv
+            return normalized(acc, l_next).reshape(out.shape), m_next, l_next
 
         with_history = hist > 0
         start = jnp.min(jnp.where(with_history, low, jnp.iinfo(jnp.int32).max)) // block_kv
@@ -322,14 +337,13 @@ def ref_ragged_paged_attention(
                      for x, c in zip(state, carry, strict=True))
 
     if num_tokens + pad == rows_per_block:  # one block of rows (decode buckets): no outer loop
-        acc, _, denom = row_block(0, state)
+        out, _, _ = row_block(0, state)
     else:
         rows = jnp.arange(num_tokens + pad, dtype=jnp.int32)
         last = jnp.max(jnp.where(history_p > 0, rows, -1))  # rows after it have no history
-        acc, _, denom = jax.lax.fori_loop(0, (last + rows_per_block) // rows_per_block,
-                                          row_block, state)
-    out = acc[:num_tokens] / jnp.where(denom[:num_tokens] > 0, denom[:num_tokens], 1.0)[..., None]
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)  # padded rows: 0
+        out, _, _ = jax.lax.fori_loop(0, (last + rows_per_block) // rows_per_block,
+                                      row_block, state)
+    return out[:num_tokens].reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
 def _pallas_gpu(*args, **kw):
