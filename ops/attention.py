@@ -204,11 +204,11 @@ def work_items(md: AttentionMetadata, num_tokens: int, block_q: int):
 def history_block(num_tokens: int, page_size: int, block_rows: int = 16,
                   block_kv: int | None = None) -> tuple[int, int]:
     """(rows, keys) of one block of the reference's history loop for a `num_tokens` step: up
-    to `block_rows` rows, and whole pages of keys, `block_kv` of them or, when None, about
-    1,024 row-keys a block, 64 to 128 keys (64 at 16 rows, 128 at 8 rows or fewer)."""
+    to `block_rows` rows, and whole pages of keys, `block_kv` of them or, when None, 128 keys
+    for a lone row and 64 for more (measured, see ref_ragged_paged_attention)."""
     rows = min(block_rows, num_tokens)
     if block_kv is None:
-        block_kv = min(128, max(64, 1024 // rows))
+        block_kv = 128 if rows == 1 else 64
     return rows, max(1, block_kv // page_size) * page_size
 
 
@@ -238,12 +238,14 @@ def ref_ragged_paged_attention(
        `block_kv` keys at a time up to the block's longest history. Neither loop's trip count
        depends on the page table's width or the page pool. Small blocks measured fastest on
        the 2-core CPU (a 64-row decode at 192 keys, SmolLM2 heads: 4.8 ms a layer at 16 rows
-       x 64 keys, 10.7 ms at 64 x 256): the gathered K/V of a block stay in cache. With
-       fewer rows a block takes more keys (`block_kv` None: 1024 row-keys a block, 64 to
-       128 keys), since each trip of the loop has a fixed cost; but a block reads all its
-       keys however few are real, so a lone decode takes 128: 30 layers at 80 keys ran in
-       1.1 ms with 128-key blocks against 3.7 ms with 512, and at 1,024 to 2,000 keys the
-       two were within 10%.
+       x 64 keys, 10.7 ms at 64 x 256): the gathered K/V of a block stay in cache. Blocks
+       of 64 keys were also the fastest at 2 to 8 rows (30 layers of an 8-row decode at
+       192 keys: 11.7 ms against 14.2 with 128). A lone decode takes 128 keys a block, since
+       each trip of the loop has a fixed cost; but a block reads all its keys however few
+       are real: 30 layers at 80 keys ran in 1.1 ms with 128-key blocks against 3.7 ms with
+       512, and at 1,024 to 2,000 keys the two were within 10%. For a lone row the scores
+       are laid out [Hkv, n, G] so that the keys are the left operand of both dots (30
+       layers at 1,024 keys: 5.4 against 6.6 ms); at more rows that layout was slower.
 
     The running output is kept normalized (divided by its softmax sum after each block) and
     flat, [T, H * D], so what leaves the loops is the very matrix the output projection
@@ -258,6 +260,8 @@ def ref_ragged_paged_attention(
     group = num_heads // num_kv_heads
     rows_per_block, block_kv = history_block(num_tokens, page_size, block_rows, block_kv)
     pages_per_block = block_kv // page_size
+    lone = rows_per_block == 1
+    n_axis = 2 if lone else 3  # the keys' axis of a block's scores
     f32 = jnp.float32
 
     valid = md.token_seq >= 0                      # [T]
@@ -272,8 +276,8 @@ def ref_ragged_paged_attention(
     def capped(s):
         return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
-    def normalized(acc, l):  # padded rows and rows without keys (l = 0): 0
-        return acc / jnp.where(l > 0, l, 1.0)[..., None]
+    def normalized(acc, total):  # padded rows and rows without keys (total 0): 0
+        return acc / jnp.where(total > 0, total, 1.0)[..., None]
 
     # 1. This step's tokens: [Hkv, T * G, T] scores, row t * G + g.
     page, offset = md.slot_mapping // page_size, md.slot_mapping % page_size
@@ -290,10 +294,10 @@ def ref_ragged_paged_attention(
     o = jnp.einsum("kmn,knd->kmd", p.reshape(num_kv_heads, num_tokens * group, num_tokens)
                    .astype(v_new.dtype), v_new, preferred_element_type=f32)
     to_rows = lambda x: jnp.moveaxis(x, 0, 1)  # [Hkv, T, ...] -> [T, Hkv, ...]
-    m, l = to_rows(m), to_rows(p.sum(-1))  # running max and sum [T, Hkv, G]
+    m, total = to_rows(m), to_rows(p.sum(-1))  # running max and sum [T, Hkv, G]
     o = to_rows(o.reshape(num_kv_heads, num_tokens, group, head_dim))
     flat = (num_tokens, num_heads * head_dim)
-    state = (normalized(o, l).reshape(flat), m, l)
+    state = (normalized(o, total).reshape(flat), m, total)
 
     # 2. History, by blocks of rows and, within them, blocks of keys.
     pad = -num_tokens % rows_per_block
@@ -316,16 +320,19 @@ def ref_ragged_paged_attention(
             shape = (rows_per_block, block_kv, num_kv_heads, head_dim)
             k = cache.k[layer, pages].reshape(shape).astype(q.dtype)  # the block, in cache
             v = cache.v[layer, pages].reshape(shape).astype(q.dtype)
-            s = capped(jnp.einsum("rkgd,rnkd->rkgn", qb, k, preferred_element_type=f32))
+            # Scores [R, Hkv, G, n], or [R, Hkv, n, G] for a lone row: there the keys are
+            # the left operand and XLA:CPU reads them as stored instead of transposing them.
+            spec = "rkng" if lone else "rkgn"
+            s = capped(jnp.einsum(f"rnkd,rkgd->{spec}", k, qb, preferred_element_type=f32))
             kv_pos = b * block_kv + offsets
             seen = (kv_pos[None, :] < hist[:, None]) & (kv_pos[None, :] >= low[:, None])
-            s = jnp.where(seen[:, None, None, :], s, -jnp.inf)
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
+            s = jnp.where(jnp.expand_dims(seen, (1, 5 - n_axis)), s, -jnp.inf)
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=n_axis))
             m_safe = jnp.where(jnp.isfinite(m_next), m_next, 0.0)  # no key yet: exp gives 0
             correction = jnp.exp(m_prev - m_safe)
-            p = jnp.exp(s - m_safe[..., None])
-            pv = jnp.einsum("rkgn,rnkd->rkgd", p.astype(v.dtype), v, preferred_element_type=f32)
-            l_next = correction * l_prev + p.sum(-1)
+            p = jnp.exp(s - jnp.expand_dims(m_safe, n_axis))
+            pv = jnp.einsum(f"{spec},rnkd->rkgd", p.astype(v.dtype), v, preferred_element_type=f32)
+            l_next = correction * l_prev + p.sum(n_axis)
             acc = (correction * l_prev)[..., None] * out.reshape(pv.shape) + pv
             return normalized(acc, l_next).reshape(out.shape), m_next, l_next
 
