@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from engine.config import EngineConfig
-from engine.device import kv_pages
+from engine.device import size_kv
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, StepResult
 from engine.sampling_params import SamplingParams
@@ -126,7 +126,7 @@ def build_engine(args) -> LLMEngine:
 
     cfg = EngineConfig(model=args.model or str(fetch_default_model()), **common)
     # The KV pool the server would give this model (its default budget, engine.device).
-    cfg = dataclasses.replace(cfg, num_blocks=kv_pages(cfg))
+    cfg = size_kv(cfg)
     return LLMEngine(cfg, detokenize=False)
 
 

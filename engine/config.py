@@ -54,7 +54,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512   # tokens per step (prefill chunks + decodes)
     block_size: int = 16                # tokens per KV page
     num_blocks: int | None = None       # KV pages incl. the reserved page 0 (None: enough for
-                                        # max_num_seqs full-length sequences)
+                                        # max_num_seqs full-length sequences, unless:)
+    # The KV pool fills this fraction of device memory, after the weights and the largest
+    # step's temporary memory: sized by the runner once those are known (engine.device).
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"     # the platform's best (ops.attention.resolve_backend)
     tensor_parallel_size: int = 1       # devices the model is split over (heads, MLP, vocab)
@@ -80,6 +83,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (page 0 is reserved), "
                              f"got {self.num_blocks}")

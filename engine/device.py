@@ -114,22 +114,55 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def size_kv(config: EngineConfig, memory_fraction: float | None = None, num_models: int = 1,
+            kv_memory_bytes: int | None = None) -> EngineConfig:
+    """`config` with its KV budget settled (what the server and the bench start from). A
+    share of device memory is left to the runner, which sizes the pool once it knows what the
+    weights and its largest step take (`kv_pages` with `weight_bytes` and `step_bytes`): an
+    explicit `memory_fraction`, split between the models served, goes in
+    `gpu_memory_utilization`; the accelerator default of one model needs nothing more. The
+    page count is set here for a byte budget, the CPU default, and from estimates where the
+    runner cannot size alone (an accelerator default shared by several models, and
+    multi-process runs, where every process must build the same pool)."""
+    if config.num_blocks is not None:
+        return config
+    if kv_memory_bytes is None and not _distributed:
+        if memory_fraction is not None:
+            return dataclasses.replace(config,
+                                       gpu_memory_utilization=memory_fraction / num_models)
+        if jax.default_backend() != "cpu" and num_models == 1:
+            return config
+    return dataclasses.replace(config, num_blocks=kv_pages(config, memory_fraction, num_models,
+                                                           kv_memory_bytes))
+
+
+def sized_by_runner(config: EngineConfig) -> bool:
+    """Whether the runner sizes `config`'s KV pool (see `size_kv`)."""
+    return config.num_blocks is None and (config.gpu_memory_utilization is not None
+                                          or jax.default_backend() != "cpu")
+
+
 def kv_pages(config: EngineConfig, memory_fraction: float | None = None,
-             num_models: int = 1, kv_memory_bytes: int | None = None) -> int:
+             num_models: int = 1, kv_memory_bytes: int | None = None, *,
+             weight_bytes: float | None = None, step_bytes: int = 0) -> int:
     """KV pages (incl. the reserved page 0) for `config`. With `kv_memory_bytes`: what fits in
-    that many bytes (per model). With a fraction: what fits in that share of device memory
-    after the weights. Without either: enough for every sequence at full length, capped by
-    the platform's default budget. Fewer pages than one `max_model_len` sequence needs is a
-    startup error naming the budget."""
+    that many bytes (per model). With a fraction (or `config.gpu_memory_utilization`): what
+    fits in that share of device memory after the weights (`weight_bytes` per device, else
+    estimated as float) and `step_bytes`, the temporary memory of the largest step. Without
+    either: enough for every sequence at full length, capped by the platform's default
+    budget. Fewer pages than one `max_model_len` sequence needs is a startup error naming
+    the budget."""
     if config.num_blocks is not None:
         return config.num_blocks
+    memory_fraction = memory_fraction or config.gpu_memory_utilization
     cfg = load_config(config.model)
     itemsize = np.dtype(resolve_dtype(config.dtype)).itemsize
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype))
     tp = config.tensor_parallel_size
     run_cfg = sharded_config(cfg, tp)  # fails here, at startup, if tp cannot split the model
     # Per device: a 1/tp share of the (nearly all split) weights and of every page's KV heads.
-    weights = itemsize * sum(math.prod(s.shape) for s in param_specs(cfg).values()) / tp
+    weights = weight_bytes if weight_bytes is not None else (
+        itemsize * sum(math.prod(s.shape) for s in param_specs(cfg).values()) / tp)
     page = (2 * cfg.num_layers * config.block_size * run_cfg.num_kv_heads // tp
             * cfg.head_dim * kv_dtype.itemsize)
     memory = device_memory_bytes()
@@ -141,9 +174,10 @@ def kv_pages(config: EngineConfig, memory_fraction: float | None = None,
         what = f"--kv-cache-memory-bytes ({kv_memory_bytes / 2**30:.2f} GiB)"
     elif memory_fraction is not None or not cpu:
         fraction = memory_fraction or DEFAULT_ACCELERATOR_FRACTION
-        budget = fraction * memory / num_models - weights
+        budget = fraction * memory / num_models - weights - step_bytes
         what = (f"{fraction:.0%} of device memory ({memory / 2**30:.1f} GiB) after "
-                f"{weights / 2**30:.2f} GiB of weights")
+                f"{weights / 2**30:.2f} GiB of weights and {step_bytes / 2**30:.2f} GiB for "
+                f"the largest step")
     else:
         budget = DEFAULT_CPU_KV_SHARE * memory / num_models
         what = (f"the default KV budget, 1/{round(1 / DEFAULT_CPU_KV_SHARE)} of RAM "
@@ -174,6 +208,7 @@ MAX_CONFIGURATIONS = 32  # fingerprint directories kept; the least recently used
 
 # EngineConfig fields that cannot change a compiled step (names, served limits, seeds).
 _IRRELEVANT = {"model", "name", "max_waiting_requests", "seed", "enable_prefix_caching",
+               "gpu_memory_utilization",
                "async_scheduling"}
 
 

@@ -2,7 +2,7 @@
 
 The server's command line comes here (it never imports models/ or jax itself):
 `parse_model_arg` reads `--model [name=]path`, and `start_engines` sizes each KV cache
-(`device.kv_pages`) and loads and warms up one AsyncEngine per model.
+(`device.size_kv`) and loads and warms up one AsyncEngine per model.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from engine.async_engine import AsyncEngine, Engines
 from engine.config import EngineConfig
-from engine.device import kv_pages
+from engine.device import size_kv
 from models.default_model import SERVED_NAME, default_model_path, fetch_default_model
 
 logger = logging.getLogger(__name__)
@@ -43,15 +43,14 @@ def parse_model_arg(value: str | None) -> ModelSpec:
 def start_engines(specs: list[ModelSpec], memory_fraction: float | None = None,
                   kv_memory_bytes: int | None = None, **engine_options) -> Engines:
     """Load and warm up one engine per model (in order); returns them by served name.
-    `memory_fraction`, `kv_memory_bytes`: the KV pool's budget (engine.device.kv_pages)."""
+    `memory_fraction`, `kv_memory_bytes`: the KV pool's budget (engine.device.size_kv)."""
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"served model names must be unique, got {names}")
     engines = {}
     for spec in specs:
         config = EngineConfig(model=spec.path, name=spec.name, **engine_options)
-        config = dataclasses.replace(config, num_blocks=kv_pages(
-            config, memory_fraction, len(specs), kv_memory_bytes))
+        config = size_kv(config, memory_fraction, len(specs), kv_memory_bytes)
         logger.info("Loading %s from %s", spec.name, spec.path)
         engines[spec.name] = AsyncEngine(config)
     return Engines(engines)

@@ -52,6 +52,10 @@ class LLMEngine:
         self.detokenize = detokenize
         self.tokenizer = tokenizer or Tokenizer.from_path(config.model)
         self.runner = runner or ModelRunner(config)
+        # The runner may size the KV pool itself (a share of device memory, engine/device.py).
+        sized = getattr(getattr(self.runner, "config", None), "num_blocks", None)
+        if config.num_blocks is None and sized is not None:
+            config = self.config = dataclasses.replace(config, num_blocks=sized)
         self.block_manager = BlockManager(config.total_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.tokenizer.eos_token_ids)

@@ -96,10 +96,18 @@ class ModelRunner:
             self.cluster.send("runner", config)
         store_dir = device.executable_store_dir()
         kv = None
+        # A share of device memory is sized here, once the weights are on the device and the
+        # largest step's temporary memory is known (engine.device.size_kv).
+        sized_here = device.sized_by_runner(config)
         if model is None:
             mesh = None
             if config.tensor_parallel_size > 1:
                 mesh = make_mesh(config.tensor_parallel_size)
+            if sized_here:
+                model = load_model(config.model, dtype=config.dtype,
+                                   attention_backend=config.attention_backend, mesh=mesh,
+                                   quantization=config.quantization)
+        if model is None:
             # Zeroing the KV pages (5.6 GiB at the CPU defaults: ~3 s) is memory-bound and
             # loading the weights is dequantization: one runs beside the other.
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -116,11 +124,16 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.graphdef, self.state = nnx.split(model)
         self.kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
+        self.slot_state = self._zero_slot_state()
+        if sized_here:
+            on_one_device = sum(x.addressable_shards[0].data.nbytes
+                                for x in jax.tree.leaves(self.state))
+            self.config = config = dataclasses.replace(config, num_blocks=device.kv_pages(
+                config, weight_bytes=on_one_device, step_bytes=self.step_bytes(store_dir)))
         if kv is None or (kv.k.shape, kv.k.dtype) != (self._kv_shape(self.model_config),
                                                       self.kv_dtype):
             kv = self._zero_kv(self.model_config, self.kv_dtype, self.mesh)
         self.kv = kv
-        self.slot_state = self._zero_slot_state()
         self._executables: dict[tuple[str, int], object] = {}
         self.store = None if store_dir is None else device.ExecutableStore(
             store_dir, device.fingerprint(config, self.graphdef, self.state, self.kv),
@@ -146,8 +159,8 @@ class ModelRunner:
         platform = (jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]).platform
         self.overlaps_by_default = platform != "cpu"
 
-    def _kv_shape(self, cfg) -> tuple[int, ...]:
-        return (cfg.num_layers, self.config.total_blocks, self.config.block_size,
+    def _kv_shape(self, cfg, num_pages: int | None = None) -> tuple[int, ...]:
+        return (cfg.num_layers, num_pages or self.config.total_blocks, self.config.block_size,
                 cfg.num_kv_heads, cfg.head_dim)
 
     def _zero_slot_state(self) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -195,6 +208,34 @@ class ModelRunner:
         return ((out.token_ids, out.logprobs, out.top_ids, out.top_logprobs),
                 output_counts, last_tokens)
 
+    def step_bytes(self, store_dir: str | None = None) -> int:
+        """Temporary device memory of the largest step, from XLA's memory analysis of the
+        largest body and head compiled against a 2-page KV pool (what a step allocates
+        besides the weights and the pages does not depend on their number; the probes are
+        kept in the executable store like the steps)."""
+        pages = jax.ShapeDtypeStruct(self._kv_shape(self.model_config, 2), self.kv_dtype,
+                                     sharding=self.kv_sharding)
+        kv = KVCache(pages, pages)
+        probe = dataclasses.replace(self.config, num_blocks=2)
+        store = None if store_dir is None else device.ExecutableStore(
+            store_dir, device.fingerprint(probe, self.graphdef, self.state, kv),
+            jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat)
+        largest = 0
+        for bucket in (("tokens", self.config.token_buckets[-1]),
+                       ("seqs", self.config.seq_buckets[-1])):
+            exe = None if store is None else store.load(bucket)
+            if exe is None:
+                exe = self._compile(bucket, kv)
+                if store is not None:
+                    store.save(bucket, exe)
+            stats = exe.memory_analysis()
+            if stats is None:  # a backend without the analysis: nothing to subtract
+                logger.warning("no memory analysis for %s: the KV budget leaves no room for "
+                               "the step's temporary memory", bucket)
+                continue
+            largest = max(largest, stats.temp_size_in_bytes)
+        return largest
+
     def compile_bucket(self, bucket: tuple[str, int]):
         """One executable of the table, ("tokens", T) or ("seqs", S): loaded from the store
         when a runner of the same fingerprint compiled it before, else compiled ahead of time
@@ -209,13 +250,14 @@ class ModelRunner:
             self.store.save(bucket, exe)
         return exe
 
-    def _compile(self, bucket: tuple[str, int]):
+    def _compile(self, bucket: tuple[str, int], kv=None):
+        """`kv`: the pages (or their abstract shape) to compile the body against."""
         kind, size = bucket
         cfg = self.config
         counts, mask, last = self.slot_state
         if kind == "tokens":
             fn, donate = self._body, (1,)
-            device_args = (self.state, self.kv, last)
+            device_args = (self.state, self.kv if kv is None else kv, last)
             host_args = (empty_batch(cfg, (size, 1)).body,)
         elif kind == "seqs":
             hidden = np.zeros((cfg.max_num_seqs, self.model_config.hidden_size), self.dtype)

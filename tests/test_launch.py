@@ -34,25 +34,66 @@ def test_kv_pages_from_memory(default_gguf, monkeypatch):
     # SmolLM2-135M: 30 layers, 3 KV heads of 64 -> a 16-token float32 page is 2*30*16*3*64*4 B
     page = 2 * 30 * 16 * 3 * 64 * 4
     weights = 4 * 134_515_008
-    assert launch.kv_pages(cfg, memory_fraction=0.5) == int((0.5 * 4 * gib - weights) // page)
+    assert device.kv_pages(cfg, memory_fraction=0.5) == int((0.5 * 4 * gib - weights) // page)
     # two models share the fraction
-    assert launch.kv_pages(cfg, 0.5, num_models=2) == int((0.25 * 4 * gib - weights) // page)
+    assert device.kv_pages(cfg, 0.5, num_models=2) == int((0.25 * 4 * gib - weights) // page)
     # default: pages for every sequence at full length ...
-    assert launch.kv_pages(cfg) == cfg.total_blocks == 1 + 4 * 16
+    assert device.kv_pages(cfg) == cfg.total_blocks == 1 + 4 * 16
     # ... within 1/32 of RAM on CPU (64 x 2048 tokens would take 5.6 GiB)
     many = dataclasses.replace(cfg, max_num_seqs=64, max_model_len=2048)
-    assert launch.kv_pages(many) == int(4 * gib / 32 // page) == 182
+    assert device.kv_pages(many) == int(4 * gib / 32 // page) == 182
     # float16 pages (the default on CPU): twice as many in the same budget
-    assert launch.kv_pages(dataclasses.replace(many, kv_cache_dtype="auto")) == 364
+    assert device.kv_pages(dataclasses.replace(many, kv_cache_dtype="auto")) == 364
     # an explicit budget, whatever the need
-    assert launch.kv_pages(many, kv_memory_bytes=200 * page) == 200
-    assert launch.kv_pages(EngineConfig(model=str(default_gguf), num_blocks=7)) == 7
+    assert device.kv_pages(many, kv_memory_bytes=200 * page) == 200
+    assert device.kv_pages(EngineConfig(model=str(default_gguf), num_blocks=7)) == 7
     # a budget too small for one max_model_len sequence (128 pages) is a startup error
     with pytest.raises(ValueError, match=r"holds 99 KV pages of 16 tokens, fewer than one "
                                          r"sequence of max_model_len 2048 needs \(128\)"):
-        launch.kv_pages(many, kv_memory_bytes=100 * page)
+        device.kv_pages(many, kv_memory_bytes=100 * page)
     with pytest.raises(ValueError, match="fewer than one sequence"):
-        launch.kv_pages(cfg, memory_fraction=0.1)
+        device.kv_pages(cfg, memory_fraction=0.1)
+    # the weights as held (here a quarter of the float estimate) and the step's own memory
+    assert device.kv_pages(cfg, 0.5, weight_bytes=weights / 4, step_bytes=10 * page) == int(
+        (0.5 * 4 * gib - weights / 4) // page) - 10
+    # what the server starts from: pages now for a byte budget or the CPU default, a share
+    # of memory left to the runner, split between the models served
+    assert device.size_kv(cfg).num_blocks == cfg.total_blocks
+    assert device.size_kv(many, kv_memory_bytes=200 * page).num_blocks == 200
+    shared = device.size_kv(cfg, 0.5, num_models=2)
+    assert (shared.num_blocks, shared.gpu_memory_utilization) == (None, 0.25)
+
+
+def test_a_memory_share_is_sized_after_the_weights_and_the_largest_step(tmp_path, monkeypatch):
+    import dataclasses
+
+    import jax
+    from tiny_models import save_tiny_hf
+
+    from engine.llm_engine import LLMEngine
+    from engine.model_runner import ModelRunner
+
+    tiny = save_tiny_hf(tmp_path / "tiny")
+    monkeypatch.setenv("XLASERVE_COMPILE_CACHE", "off")
+    mib = 2**20
+    monkeypatch.setattr(device, "device_memory_bytes", lambda: 64 * mib)
+    cfg = device.size_kv(EngineConfig(model=str(tiny), dtype="float32", kv_cache_dtype="float32",
+                                      max_model_len=128, max_num_seqs=4,
+                                      max_num_batched_tokens=64), memory_fraction=0.5)
+    runner = ModelRunner(cfg)
+    step = runner.step_bytes()
+    weights = sum(x.nbytes for x in jax.tree.leaves(runner.state))
+    page = 2 * 2 * 16 * 8 * 16 * 4  # 2 layers, 16-token pages, 8 KV heads of 16, float32
+    assert step > 10 * page  # so that leaving it out would show
+    assert runner.config.num_blocks == int((0.5 * 64 * mib - weights - step) // page)
+    assert runner.kv.num_pages == runner.config.num_blocks
+    # the probe is the largest bucket: a larger one needs more, and leaves fewer pages
+    bigger = ModelRunner(dataclasses.replace(cfg, max_num_batched_tokens=512))
+    assert bigger.step_bytes() > step
+    assert bigger.config.num_blocks < runner.config.num_blocks
+    # the engine books the pages the runner made
+    engine = LLMEngine(cfg, runner=runner)
+    assert engine.block_manager.num_blocks == runner.config.num_blocks
 
 
 def test_sizes_in_bytes():
