@@ -252,6 +252,10 @@ class ExecutableStore:
         kind, size = bucket
         return self.directory / f"{kind}-{size}.pkl"
 
+    def has(self, bucket: tuple[str, int]) -> bool:
+        """Whether `bucket` has a stored file (`load` may still refuse it)."""
+        return self._path(bucket).exists()
+
     def load(self, bucket: tuple[str, int]):
         """The stored executable of `bucket`, or None (absent, unreadable, or made by a
         runtime that cannot load it)."""

@@ -20,6 +20,10 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import pickle
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -95,6 +99,7 @@ class ModelRunner:
                 raise ValueError("a multi-host runner loads its model from config.model")
             self.cluster.send("runner", config)
         store_dir = device.executable_store_dir()
+        own_model = model is None
         kv = None
         # A share of device memory is sized here, once the weights are on the device and the
         # largest step's temporary memory is known (engine.device.size_kv).
@@ -139,6 +144,11 @@ class ModelRunner:
             store_dir, device.fingerprint(config, self.graphdef, self.state, self.kv),
             jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat)
         self.num_stored_loads = 0  # executables deserialized from the store, not compiled
+        # Warmup compiles in a child process where that returns the compiler's memory: on CPU
+        # (elsewhere it would hold a second device), for a runner that loaded its own model
+        # (a child can load it again) and stores executables (the child hands them over there).
+        self.compiles_in_child = (self.store is not None and own_model and self.cluster is None
+                                  and jax.default_backend() == "cpu")
         held, as_float32 = weight_bytes(nnx.to_pure_dict(self.state))
         self.weight_bytes = held
         logger.info(
@@ -291,6 +301,10 @@ class ModelRunner:
         start = time.perf_counter()
         loaded_before = self.num_stored_loads
         buckets = self.config.buckets()
+        if self.compiles_in_child:
+            missing = [b for b in buckets if not self.store.has(b)]
+            if missing:
+                self._compile_in_child(missing)
         bar = progress_bar(total=len(buckets), desc="Compiling", unit="executable")
         workers = 1 if self.cluster is not None else min(2, os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -316,6 +330,28 @@ class ModelRunner:
                     len(buckets), compiled - start, loaded, len(buckets) - loaded)
         self._log_memory(rss_before)
         return elapsed
+
+    def _compile_in_child(self, buckets: list[tuple[str, int]]) -> None:
+        """Compile `buckets` into the executable store in a child process (engine/compile_child.py):
+        what XLA's compiler allocates stays with the process that ran it (glibc keeps it:
+        290-670 MiB of a first start's resident memory on the 2-core CPU), and a child's goes
+        back when it exits. On any failure this process compiles them itself."""
+        logger.info("Compiling %d executables in a child process.", len(buckets))
+        start = time.perf_counter()
+        fd, path = tempfile.mkstemp(suffix=".pkl")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump((self.config, buckets), f)
+            proc = subprocess.run([sys.executable, "-m", "engine.compile_child", path],
+                                  capture_output=True, text=True)
+        finally:
+            os.unlink(path)
+        if proc.returncode != 0:
+            logger.warning("compiling in a child process failed (exit %d); compiling here. "
+                           "Its output ended with: %s", proc.returncode, proc.stderr[-2000:])
+            return
+        logger.info("The child compiled %d executables in %.2fs.", len(buckets),
+                    time.perf_counter() - start)
 
     def _log_memory(self, rss_before_warmup: int | None) -> None:
         """The startup memory breakdown: what the process holds once ready, and of what."""

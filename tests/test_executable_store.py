@@ -40,8 +40,9 @@ def store_dir(tmp_path, monkeypatch):
 
 def test_a_second_runner_loads_every_executable_and_computes_the_same(default_gguf, store_dir):
     first = ModelRunner(_config(default_gguf))
+    assert first.compiles_in_child  # on CPU: the child compiles, this process loads
     first.warmup()
-    assert first.num_stored_loads == 0
+    assert first.num_stored_loads == len(first.config.buckets())
     expected = _step(first)
     stored = sorted(p.name for p in store_dir.rglob("*.pkl"))
     assert stored == sorted(f"{kind}-{size}.pkl" for kind, size in first.config.buckets())
@@ -92,3 +93,14 @@ def test_old_configurations_are_pruned(default_gguf, store_dir, monkeypatch):
             first = runner.store.directory
     kept = [d for d in store_dir.iterdir() if d.is_dir()]
     assert len(kept) == 2 and first not in kept
+
+
+def test_a_failed_child_leaves_the_compiling_here(default_gguf, store_dir, monkeypatch, caplog):
+    import sys
+
+    runner = ModelRunner(_config(default_gguf))
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the child cannot start
+    runner.warmup()
+    assert "compiling in a child process failed" in caplog.text
+    assert runner.num_stored_loads == 0  # every executable compiled here (and stored)
+    assert len(list(store_dir.rglob("*.pkl"))) == len(runner.config.buckets())

@@ -1,0 +1,38 @@
+"""`python -m engine.compile_child FILE`: compile a runner's executables into the executable
+store in a process of its own, then exit (see `ModelRunner.warmup`).
+
+XLA's compiler leaves the memory it used with the process that ran it (glibc keeps what was
+freed); a child gives it back to the system when it exits, and the serving process loads
+what the child stored. FILE holds the pickled `(EngineConfig, buckets)`; the child builds
+the same runner (same fingerprint, so the same store directory) and compiles each bucket.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pickle
+import sys
+
+from engine.model_runner import ModelRunner
+
+
+def main(path: str) -> int:
+    with open(path, "rb") as f:
+        config, buckets = pickle.load(f)
+    runner = ModelRunner(config)
+    if runner.store is None:
+        print("no executable store in the child", file=sys.stderr)
+        return 1
+    workers = min(2, os.cpu_count() or 1)  # as in warmup: XLA compiles largely on one thread
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for bucket, exe in zip(buckets, pool.map(runner.compile_bucket, buckets), strict=True):
+            if runner.store.load(bucket) is None:
+                print(f"{bucket} did not reach the store", file=sys.stderr)
+                return 1
+            del exe
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
