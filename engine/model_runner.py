@@ -365,8 +365,9 @@ class ModelRunner:
             return
         grown = rss - rss_before_warmup
         other = rss - self.weight_bytes - self.kv_bytes() - grown
-        logger.info("Memory: %.0f MiB resident: %s, compiled executables and what compiling "
-                    "kept %.0f MiB, everything else (Python, jaxlib, tokenizer) %.0f MiB",
+        logger.info("Memory: %.0f MiB resident: %s, executables and warmup %.0f MiB (loaded "
+                    "ones ~10 MiB each; what the compiler kept, where this process compiled), "
+                    "everything else (Python, jaxlib, tokenizer) %.0f MiB",
                     mib(rss), parts, mib(grown), mib(other))
 
     def _executable(self, bucket: tuple[str, int]):
