@@ -144,18 +144,20 @@ def sized_by_runner(config: EngineConfig) -> bool:
 
 def kv_pages(config: EngineConfig, memory_fraction: float | None = None,
              num_models: int = 1, kv_memory_bytes: int | None = None, *,
-             weight_bytes: float | None = None, step_bytes: int = 0) -> int:
+             weight_bytes: float | None = None, step_bytes: int = 0,
+             model_config=None) -> int:
     """KV pages (incl. the reserved page 0) for `config`. With `kv_memory_bytes`: what fits in
     that many bytes (per model). With a fraction (or `config.gpu_memory_utilization`): what
     fits in that share of device memory after the weights (`weight_bytes` per device, else
-    estimated as float) and `step_bytes`, the temporary memory of the largest step. Without
+    estimated as float) and `step_bytes`, the temporary memory of the largest step
+    (`model_config`: the model's shape when it is not read from `config.model`). Without
     either: enough for every sequence at full length, capped by the platform's default
     budget. Fewer pages than one `max_model_len` sequence needs is a startup error naming
     the budget."""
     if config.num_blocks is not None:
         return config.num_blocks
     memory_fraction = memory_fraction or config.gpu_memory_utilization
-    cfg = load_config(config.model)
+    cfg = model_config or load_config(config.model)  # the runner's own (random weights too)
     itemsize = np.dtype(resolve_dtype(config.dtype)).itemsize
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype))
     tp = config.tensor_parallel_size

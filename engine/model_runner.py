@@ -134,7 +134,8 @@ class ModelRunner:
             on_one_device = sum(x.addressable_shards[0].data.nbytes
                                 for x in jax.tree.leaves(self.state))
             self.config = config = dataclasses.replace(config, num_blocks=device.kv_pages(
-                config, weight_bytes=on_one_device, step_bytes=self.step_bytes(store_dir)))
+                config, weight_bytes=on_one_device, step_bytes=self.step_bytes(store_dir),
+                model_config=self.model_config))
         if kv is None or (kv.k.shape, kv.k.dtype) != (self._kv_shape(self.model_config),
                                                       self.kv_dtype):
             kv = self._zero_kv(self.model_config, self.kv_dtype, self.mesh)

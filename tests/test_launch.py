@@ -94,6 +94,15 @@ def test_a_memory_share_is_sized_after_the_weights_and_the_largest_step(tmp_path
     # the engine books the pages the runner made
     engine = LLMEngine(cfg, runner=runner)
     assert engine.block_manager.num_blocks == runner.config.num_blocks
+    # a model given as weights (no file to read a config from) is sized the same way
+    import jax.numpy as jnp
+
+    from models.presets import preset_config
+    from models.weights import random_model
+
+    given = ModelRunner(dataclasses.replace(cfg, model="random:tiny"),
+                        model=random_model(preset_config("tiny"), jnp.float32))
+    assert given.config.num_blocks is not None and given.kv.num_pages == given.config.num_blocks
 
 
 def test_sizes_in_bytes():
