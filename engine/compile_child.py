@@ -25,12 +25,10 @@ def main(path: str) -> int:
         print("no executable store in the child", file=sys.stderr)
         return 1
     workers = min(2, os.cpu_count() or 1)  # as in warmup: XLA compiles largely on one thread
+    # What does not reach the store (a backend that cannot serialize) the parent compiles.
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        for bucket, exe in zip(buckets, pool.map(runner.compile_bucket, buckets), strict=True):
-            if runner.store.load(bucket) is None:
-                print(f"{bucket} did not reach the store", file=sys.stderr)
-                return 1
-            del exe
+        for _ in pool.map(runner.compile_bucket, buckets):
+            pass
     return 0
 
 

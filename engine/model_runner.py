@@ -141,9 +141,7 @@ class ModelRunner:
             kv = self._zero_kv(self.model_config, self.kv_dtype, self.mesh)
         self.kv = kv
         self._executables: dict[tuple[str, int], object] = {}
-        self.store = None if store_dir is None else device.ExecutableStore(
-            store_dir, device.fingerprint(config, self.graphdef, self.state, self.kv),
-            jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat)
+        self.store = self._store(store_dir, config, self.kv)
         self.num_stored_loads = 0  # executables deserialized from the store, not compiled
         # Warmup compiles in a child process where that returns the compiler's memory: on CPU
         # (elsewhere it would hold a second device), for a runner that loaded its own model
@@ -227,18 +225,11 @@ class ModelRunner:
         pages = jax.ShapeDtypeStruct(self._kv_shape(self.model_config, 2), self.kv_dtype,
                                      sharding=self.kv_sharding)
         kv = KVCache(pages, pages)
-        probe = dataclasses.replace(self.config, num_blocks=2)
-        store = None if store_dir is None else device.ExecutableStore(
-            store_dir, device.fingerprint(probe, self.graphdef, self.state, kv),
-            jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat)
+        store = self._store(store_dir, dataclasses.replace(self.config, num_blocks=2), kv)
         largest = 0
         for bucket in (("tokens", self.config.token_buckets[-1]),
                        ("seqs", self.config.seq_buckets[-1])):
-            exe = None if store is None else store.load(bucket)
-            if exe is None:
-                exe = self._compile(bucket, kv)
-                if store is not None:
-                    store.save(bucket, exe)
+            exe, _ = self._load_or_compile(store, bucket, kv)
             stats = exe.memory_analysis()
             if stats is None:  # a backend without the analysis: nothing to subtract
                 logger.warning("no memory analysis for %s: the KV budget leaves no room for "
@@ -251,15 +242,27 @@ class ModelRunner:
         """One executable of the table, ("tokens", T) or ("seqs", S): loaded from the store
         when a runner of the same fingerprint compiled it before, else compiled ahead of time
         and stored."""
-        if self.store is not None:
-            exe = self.store.load(bucket)
-            if exe is not None:
-                self.num_stored_loads += 1
-                return exe
-        exe = self._compile(bucket)
-        if self.store is not None:
-            self.store.save(bucket, exe)
+        exe, loaded = self._load_or_compile(self.store, bucket)
+        self.num_stored_loads += loaded
         return exe
+
+    def _store(self, store_dir: str | None, config: EngineConfig, kv):
+        """The executable store of steps compiled for `config` against pages shaped as `kv`."""
+        if store_dir is None:
+            return None
+        return device.ExecutableStore(
+            store_dir, device.fingerprint(config, self.graphdef, self.state, kv),
+            jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat)
+
+    def _load_or_compile(self, store, bucket: tuple[str, int], kv=None):
+        """(executable, whether it came from `store`): compiled and stored when not there."""
+        exe = None if store is None else store.load(bucket)
+        if exe is not None:
+            return exe, True
+        exe = self._compile(bucket, kv)
+        if store is not None:
+            store.save(bucket, exe)
+        return exe, False
 
     def _compile(self, bucket: tuple[str, int], kv=None):
         """`kv`: the pages (or their abstract shape) to compile the body against."""

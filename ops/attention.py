@@ -326,7 +326,8 @@ def ref_ragged_paged_attention(
             s = capped(jnp.einsum(f"rnkd,rkgd->{spec}", k, qb, preferred_element_type=f32))
             kv_pos = b * block_kv + offsets
             seen = (kv_pos[None, :] < hist[:, None]) & (kv_pos[None, :] >= low[:, None])
-            s = jnp.where(jnp.expand_dims(seen, (1, 5 - n_axis)), s, -jnp.inf)
+            s = jnp.where(seen[:, None, :, None] if lone else seen[:, None, None, :], s,
+                          -jnp.inf)
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=n_axis))
             m_safe = jnp.where(jnp.isfinite(m_next), m_next, 0.0)  # no key yet: exp gives 0
             correction = jnp.exp(m_prev - m_safe)
