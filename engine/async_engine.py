@@ -19,9 +19,10 @@ from collections.abc import AsyncIterator, Callable
 
 from engine import cluster
 from engine.config import EngineConfig
+from engine.grammar import COMPILE_TIMEOUT_S, GrammarError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.scheduler import RequestRejected
 from models.chat_template import ChatTemplate
 
@@ -160,6 +161,8 @@ class AsyncEngine:
         self._check_accepting()
         params = params or SamplingParams()
         ids = await self.encode(prompt, add_special_tokens)
+        if params.structured_outputs is not None:
+            await self.compile_grammar(params.structured_outputs)
         self.engine.scheduler.check_fits(len(ids), params.max_tokens)
         self._check_accepting()  # it may have changed while tokenizing
         request_id = request_id or f"{self.name}-{next(self._ids)}"
@@ -190,6 +193,18 @@ class AsyncEngine:
         if self.num_waiting >= self.config.max_waiting_requests:
             raise EngineOverloaded(f"engine {self.name} has {self.num_waiting} waiting "
                                    f"requests (limit {self.config.max_waiting_requests})")
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile a request's grammar off the event loop, within COMPILE_TIMEOUT_S, into the
+        engine's cache (the engine thread then takes its copy from there); GrammarError when
+        it does not compile, costs too much, or takes too long."""
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(None, self.engine.grammars.compile, spec),
+                                   COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise GrammarError(f"the structured output took longer than {COMPILE_TIMEOUT_S:g} s "
+                               f"to compile") from None
 
     async def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt, tokenized off the event loop."""

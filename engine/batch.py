@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -45,7 +46,7 @@ FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
 NEUTRAL = {"top_p": 1.0, "repetition_penalty": 1.0}  # other columns: 0 = off
 # int32 sampling rows: name -> how many rows of the buffer it takes ([S] or [S, k] columns)
 INT_COLUMNS = {"top_k": 1, "steps": 1, "num_top_logprobs": 1, "slots": 1, "seeds": 2,
-               "banned_tokens": MAX_BANNED}
+               "banned_tokens": MAX_BANNED, "constrained": 1}
 
 
 @functools.cache
@@ -99,6 +100,9 @@ class StepBatch:
     sampling_floats: np.ndarray    # [len(FLOAT_COLUMNS), S] float32
     # (slot, prompt ids, output ids) of slots whose penalty counts start afresh this step
     resets: list[tuple[int, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+    # The constrained rows' token mask ([S, ceil(V / 32)] int32, engine/grammar.py), computed
+    # by this callable once the body is dispatched; None when no row follows a grammar.
+    token_mask: Callable[[], np.ndarray] | None = None
     views: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
 
     def __getattr__(self, name: str) -> np.ndarray:  # named views: batch.tokens, ...
@@ -162,6 +166,7 @@ class InputBatch:
         self.seeds = np.zeros((n + 1, 2), np.uint32)
         self.banned = np.full((n + 1, MAX_BANNED), -1, np.int32)
         self.min_tokens = np.zeros(n + 1, np.int32)
+        self.constrained = np.zeros(n + 1, np.int32)  # follows a grammar (engine/grammar.py)
         self.prompt_lens = np.zeros(n + 1, np.int32)
         self.page_tables = np.zeros((n + 1, config.max_blocks_per_seq), np.int32)
         self.num_blocks = np.zeros(n + 1, np.int32)  # filled entries of each page table row
@@ -188,10 +193,12 @@ class InputBatch:
         self.num_top_logprobs[slot] = p.logprobs or 0
         self.seeds[slot] = (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
         banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
-        banned = banned[:MAX_BANNED] if p.min_tokens else []
+        # A grammar decides itself when the end may come (its mask allows EOS exactly then).
+        banned = banned[:MAX_BANNED] if p.min_tokens and p.structured_outputs is None else []
         self.banned[slot] = -1
         self.banned[slot, :len(banned)] = banned
         self.min_tokens[slot] = p.min_tokens
+        self.constrained[slot] = p.structured_outputs is not None
         self.prompt_lens[slot] = seq.num_prompt_tokens
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
             resets.append((slot, np.asarray(seq.token_ids[:seq.num_prompt_tokens], np.int32),
@@ -254,7 +261,8 @@ class InputBatch:
         ints, layout = batch.sampling_ints, sampling_layout()
         batch.sampling_floats[:, :num_seqs] = self.floats[:, rs]
         for name, col in (("top_k", self.top_k[rs]), ("steps", np.where(samples, steps, 0)),
-                          ("num_top_logprobs", self.num_top_logprobs[rs]), ("slots", rs)):
+                          ("num_top_logprobs", self.num_top_logprobs[rs]), ("slots", rs),
+                          ("constrained", self.constrained[rs])):
             ints[layout[name][0], :num_seqs] = col
         r = layout["seeds"][0]
         ints[r:r + 2, :num_seqs] = self.seeds[rs].view(np.int32).T

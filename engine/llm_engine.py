@@ -13,6 +13,7 @@ core from the step itself, so there it is off unless asked for.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 import random
 import time
@@ -21,6 +22,7 @@ from collections.abc import Sequence as Seq
 from engine.batch import InputBatch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.grammar import Grammars, advance
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, TextState, TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -67,6 +69,8 @@ class LLMEngine:
         model_cfg = getattr(self.runner, "model_config", None)  # fake runners in tests have none
         self.vocab_size: int | None = (model_cfg.vocab_size if model_cfg is not None
                                        else getattr(self.tokenizer, "vocab_size", None))
+        self.grammars = Grammars(self.tokenizer, self.vocab_size or self.tokenizer.vocab_size)
+        self._matchers: dict[int, object] = {}  # seq_id -> its grammar's matcher
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, tuple[Request, int]] = {}
         self._seeds: dict[int, int] = {}
@@ -100,9 +104,13 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         base = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        matchers = [self.grammars.compile(params.structured_outputs)  # raises GrammarError
+                    for _ in range(params.n)] if params.structured_outputs else []
         req = Request(request_id, ids, params, [], [])
         for i in range(params.n):
             seq = Sequence(ids, params, self.config.block_size, request_id, cache_salt)
+            if matchers:
+                self._matchers[seq.seq_id] = matchers[i]
             self._seeds[seq.seq_id] = (base + i * _GOLDEN) % (1 << 63)
             self._by_seq[seq.seq_id] = (req, i)
             req.seqs.append(seq)
@@ -131,7 +139,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch the next step; return the outputs of the step read back now
-        (the one dispatched before this one when steps overlap, else this one)."""
+        (the one dispatched before this one when steps overlap, else this one).
+
+        While any request follows a grammar, steps do not overlap: its next mask needs the
+        token just sampled (the mask is still computed while the device runs the body)."""
+        overlap = self.async_scheduling and not self._matchers
+        outputs = []
+        if not overlap and self._in_flight is not None:
+            (previous, pending), self._in_flight = self._in_flight, None
+            outputs = self._read(previous, pending)
         out = self.scheduler.schedule()
         launched = None
         if out.scheduled:
@@ -140,9 +156,15 @@ class LLMEngine:
                     req = self._by_seq[entry.seq.seq_id][0]
                     req.num_cached_tokens = max(req.num_cached_tokens,
                                                 entry.seq.num_cached_tokens)
-            launched = out, self.runner.submit(self.input_batch.build(out, self._seeds))
-        if not self.async_scheduling:
-            return [] if launched is None else self._read(*launched)
+            batch = self.input_batch.build(out, self._seeds)
+            rows = [(i, self._matchers[e.seq.seq_id]) for i, e in enumerate(out.scheduled)
+                    if e.samples and e.seq.seq_id in self._matchers]
+            if rows:
+                batch.token_mask = functools.partial(self.grammars.fill_mask, rows,
+                                                     batch.bucket[1])
+            launched = out, self.runner.submit(batch)
+        if not overlap:
+            return outputs + ([] if launched is None else self._read(*launched))
         previous, self._in_flight = self._in_flight, launched
         return [] if previous is None else self._read(*previous)
 
@@ -168,8 +190,10 @@ class LLMEngine:
                 text.logprobs.append(TokenLogprob(token, float(result.logprobs[i]),
                                                   [(int(t), float(lp)) for t, lp in top]))
             stopped = text.add(token)
-            if entry.seq.is_finished:
-                stopped |= text.finish()
+            matcher = self._matchers.get(entry.seq.seq_id)
+            complete = not stopped and matcher is not None and advance(matcher, token)
+            if entry.seq.is_finished or complete:  # (a complete grammar: only the end may follow)
+                stopped |= text.finish() or complete
             if stopped:
                 self.scheduler.finish(entry.seq, "stop")
                 entry.seq.finish_reason = "stop"
@@ -192,6 +216,7 @@ class LLMEngine:
             for seq in req.seqs:
                 self._by_seq.pop(seq.seq_id, None)
                 self._seeds.pop(seq.seq_id, None)
+                self._matchers.pop(seq.seq_id, None)
         return RequestOutput(req.request_id, req.prompt_token_ids, outs, finished,
                              num_cached_tokens=req.num_cached_tokens)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import pickle
@@ -130,6 +131,7 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
         self.slot_state = self._zero_slot_state()
+        self._no_masks: dict[int, jax.Array] = {}  # by sequence bucket (_no_token_mask)
         if sized_here:
             on_one_device = sum(x.addressable_shards[0].data.nbytes
                                 for x in jax.tree.leaves(self.state))
@@ -168,6 +170,16 @@ class ModelRunner:
         platform = (jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]).platform
         self.overlaps_by_default = platform != "cpu"
 
+    def _no_token_mask(self, num_seqs: int) -> jax.Array:
+        """The token mask of a step without grammars: zeros kept on the device, so that such a
+        step transfers nothing for it (its `constrained` column is all 0)."""
+        mask = self._no_masks.get(num_seqs)
+        if mask is None:
+            shape = (num_seqs, -(-self.model_config.vocab_size // 32))
+            mask = self._no_masks[num_seqs] = jax.device_put(
+                np.zeros(shape, np.int32), None if self.mesh is None else replicated(self.mesh))
+        return mask
+
     def _kv_shape(self, cfg, num_pages: int | None = None) -> tuple[int, ...]:
         return (cfg.num_layers, num_pages or self.config.total_blocks, self.config.block_size,
                 cfg.num_kv_heads, cfg.head_dim)
@@ -203,14 +215,16 @@ class ModelRunner:
         return model.hidden_states(tokens, inputs["positions"], kv, md,
                                    inputs["logits_indices"])  # [max_num_seqs, E], kv
 
-    def _head(self, state, hidden, output_counts, prompt_mask, last_tokens, ints, floats):
+    def _head(self, state, hidden, output_counts, prompt_mask, last_tokens, ints, floats,
+              token_mask):
         model = nnx.merge(self.graphdef, state)
         num_seqs = ints.shape[1]
         columns = {name: floats[i] for i, name in enumerate(FLOAT_COLUMNS)}
         for name, (row, rows) in sampling_layout().items():
             columns[name] = ints[row] if rows == 1 else ints[row:row + rows].T
         columns["seeds"] = jax.lax.bitcast_convert_type(columns["seeds"], jnp.uint32)
-        md = SamplingMetadata(**columns, output_counts=output_counts, prompt_mask=prompt_mask)
+        md = SamplingMetadata(**columns, output_counts=output_counts, prompt_mask=prompt_mask,
+                              token_mask=token_mask)
         out = sample(model.logits(hidden[:num_seqs]), md)
         output_counts = count_sampled(output_counts, md.slots, out.token_ids)
         last_tokens = last_tokens.at[md.slots].set(out.token_ids)
@@ -278,7 +292,8 @@ class ModelRunner:
             fn, donate = self._head, (2, 4)
             device_args = (self.state,)
             batch = empty_batch(cfg, (1, size))
-            host_args = (hidden, counts, mask, last, batch.sampling_ints, batch.sampling_floats)
+            host_args = (hidden, counts, mask, last, batch.sampling_ints, batch.sampling_floats,
+                         np.zeros((size, -(-self.model_config.vocab_size // 32)), np.int32))
         elif kind == "penalties":
             fn, donate = reset_slot, (0, 1)
             device_args = (counts, mask)
@@ -389,6 +404,9 @@ class ModelRunner:
         body = self._executable(("tokens", num_tokens))
         head = self._executable(("seqs", num_seqs))
         if self.cluster is not None:
+            if batch.token_mask is not None:  # followers get the mask itself, not its maker
+                batch = dataclasses.replace(
+                    batch, token_mask=functools.partial(np.asarray, batch.token_mask()))
             self.cluster.send("run", (self.config.model, batch))
         _active.runner = self if self.warm else None
         try:
@@ -396,8 +414,11 @@ class ModelRunner:
                 self._reset_slots(batch.resets)
             counts, mask, last = self.slot_state
             hidden, self.kv = body(self.state, self.kv, last, batch.body)
+            # A grammar's mask is computed while the device runs the body.
+            token_mask = (self._no_token_mask(num_seqs) if batch.token_mask is None
+                          else batch.token_mask())
             outputs, counts, last = head(self.state, hidden, counts, mask, last,
-                                         batch.sampling_ints, batch.sampling_floats)
+                                         batch.sampling_ints, batch.sampling_floats, token_mask)
             self.slot_state = counts, mask, last
         finally:
             _active.runner = None

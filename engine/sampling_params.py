@@ -8,6 +8,7 @@ Field names and meanings follow vLLM/OpenAI. An out-of-range value raises
 from __future__ import annotations
 
 import dataclasses
+import json
 
 MAX_LOGPROBS = 20
 
@@ -16,6 +17,36 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """The grammar a request's output must follow (vLLM's `structured_outputs`): exactly one
+    of a JSON schema (as JSON text), any JSON object, a regular expression, one of the
+    `choice` strings, or a grammar (Lark, or llama.cpp's GBNF). engine/grammar.py compiles it."""
+
+    json: str | None = None         # a JSON schema, serialized
+    json_object: bool = False       # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None      # Lark (llguidance's dialect) or GBNF
+
+    def __post_init__(self):
+        if self.json is not None and not isinstance(self.json, str):  # a schema given as a dict
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object
+                                                        else [])
+        if len(given) != 1:
+            raise SamplingParamsError("structured_outputs", "structured_outputs needs exactly "
+                                      f"one of json, json_object, regex, choice, grammar; got "
+                                      f"{', '.join(given) or 'none'}")
+        if self.choice is not None and (not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice)):
+            raise SamplingParamsError("structured_outputs",
+                                      "choice must be a non-empty list of non-empty strings")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +67,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None       # top-N logprobs per token, N <= 20
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         # Accept lists/str from JSON and normalise to tuples (the dataclass is frozen/hashable).

@@ -62,11 +62,24 @@ class ChatTemplate:
             raise ValueError(f"{tokenizer.source}: the model files carry no chat template")
         return cls(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
 
+    @property
+    def handles_tools(self) -> bool:
+        """Whether the template renders `tools` itself (else `render` writes them, see there)."""
+        return "tools" in self.source
+
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
                **extra: Any) -> str:
         """`extra` reaches the template as variables (tools=..., documents=..., or whatever else a
-        template reads, like enable_thinking), as in transformers."""
+        template reads, like enable_thinking), as in transformers.
+
+        A template that knows nothing of tools (SmolLM2's, plain ChatML) gets them the way
+        Hermes-style templates write them, as llama.cpp does for such models: the tool
+        signatures and the calling convention in the system message, earlier calls as
+        `<tool_call>` blocks in the assistant's content, results as `<tool_response>` blocks in
+        a user turn (server/tool_parsers.py reads the calls back)."""
         _validate(messages)
+        if not self.handles_tools:
+            messages = _hermes_tools(messages, extra.pop("tools", None))
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token,
                      "tools": None, "documents": None, **extra}
         try:
@@ -76,6 +89,47 @@ class ChatTemplate:
             raise ValueError(f"chat template failed: {e}") from e
         except (TypeError, KeyError, AttributeError, IndexError, ValueError) as e:
             raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from e
+
+
+TOOL_PROMPT = """# Tools
+
+You may call functions to answer the user. Their signatures, one JSON object per line:
+<tools>
+{signatures}
+</tools>
+
+To call a function, reply with a JSON object holding its name and arguments between
+<tool_call></tool_call> tags, one block per call:
+<tool_call>
+{{"name": <function name>, "arguments": <arguments as a JSON object>}}
+</tool_call>"""
+
+
+def _hermes_tools(messages: Sequence[Mapping[str, Any]],
+                  tools: Sequence[Mapping[str, Any]] | None) -> list[dict]:
+    """Messages with tools, calls and results written out as text (see ChatTemplate.render)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            blocks = [_tojson({"name": c["function"]["name"],
+                               "arguments": c["function"].get("arguments", {})})
+                      for c in m["tool_calls"]]
+            text = m.get("content") or ""
+            m["content"] = "\n".join(([text] if text else [])
+                                     + [f"<tool_call>\n{b}\n</tool_call>" for b in blocks])
+            del m["tool_calls"]
+        elif m.get("role") == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n"
+                                            f"</tool_response>"}
+        out.append(m)
+    if tools:
+        prompt = TOOL_PROMPT.format(signatures="\n".join(_tojson(dict(t)) for t in tools))
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
 
 
 def _validate(messages: Sequence[Mapping[str, Any]]) -> None:

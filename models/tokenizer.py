@@ -206,6 +206,23 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def hf_json(self) -> str | None:
+        """The `tokenizers` pipeline as JSON (what grammar engines load), or None for a
+        sentencepiece processor (see `token_bytes`)."""
+        return self._backend.hf.to_str() if isinstance(self._backend, _HFBackend) else None
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token `i` stands for in a sentencepiece vocabulary ('▁' is a space,
+        `<0xAB>` one byte); special tokens stand for nothing."""
+        if not isinstance(self._backend, _SentencePieceBackend):
+            raise TypeError("token_bytes is for sentencepiece tokenizers; use hf_json")
+        if i in self.special_token_ids:
+            return b""
+        piece = self._backend.id_to_token(i) or ""
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
     def save_pretrained(self, directory: str | Path) -> Path:
         """Writes tokenizer files that `from_path(directory)` reads back as this same tokenizer:
         tokenizer.json or tokenizer.model, tokenizer_config.json (special tokens, BOS/EOS flags),

@@ -58,6 +58,9 @@ class SamplingMetadata:
     num_top_logprobs: jax.Array    # [S] i32: top logprobs the row wants; all 0 skips the top-20
     banned_tokens: jax.Array       # [S, B] i32: ids the row may not pick now, padded with -1
                                    # (EOS and stop tokens before min_tokens is reached)
+    constrained: jax.Array         # [S] i32: 1 where the row follows a grammar (token_mask)
+    token_mask: jax.Array          # [S, ceil(V / 32)] i32: packed allowed ids of the
+                                   # constrained rows (bit i % 32 of word i // 32 is id i)
 
     @classmethod
     def dummy(cls, num_seqs: int, vocab_size: int = 1):
@@ -79,6 +82,8 @@ class SamplingMetadata:
             prompt_mask=np.zeros((s, vocab_size), bool),
             num_top_logprobs=np.zeros(s, np.int32),
             banned_tokens=np.full((s, MAX_BANNED), -1, np.int32),
+            constrained=np.zeros(s, np.int32),
+            token_mask=np.zeros((s, -(-vocab_size // 32)), np.int32),
         )
 
 
@@ -386,12 +391,24 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SampleOutput:
     # every id is banned cannot occur: the engine bans at most MAX_BANNED of V ids.
     logits_for_pick = _skip_unless(jnp.any(md.banned_tokens >= 0), _ban, lambda x, _: x,
                                    logits, md.banned_tokens)
+    # A grammar's mask likewise, for its rows only (skipped when the step has none).
+    logits_for_pick = _skip_unless(jnp.any(md.constrained != 0), _allow,
+                                   lambda x, *_: x, logits_for_pick, md.token_mask,
+                                   md.constrained)
     # The whole pick sits inside the penalty cond so that the common no-penalty branch reads
     # the logits in place: a cond that returned [S, V] logits would copy them.
     token_ids = _skip_unless(_penalties_active(md), lambda x, md: _pick(_penalize(x, md), md),
                              _pick, logits_for_pick, md)
     logprobs = (jnp.take_along_axis(logits, token_ids[:, None], axis=-1) - lse)[:, 0]
     return SampleOutput(token_ids, logprobs, top_ids, top_logprobs)
+
+
+def _allow(logits: jax.Array, token_mask: jax.Array, constrained: jax.Array) -> jax.Array:
+    """-inf at the ids a constrained row's packed mask leaves out."""
+    num_seqs, vocab_size = logits.shape
+    bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(num_seqs, -1)[:, :vocab_size] != 0
+    return jnp.where((constrained[:, None] != 0) & ~allowed, -jnp.inf, logits)
 
 
 def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:

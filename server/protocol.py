@@ -7,15 +7,31 @@ naming them, never silently dropped. The same models generate /openapi.json.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` extension: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json",
+                                                description="A JSON schema the output follows.")
+    json_object: bool | None = Field(None, description="Any JSON object.")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, description="The output is one of these strings.")
+    grammar: str | None = Field(None, description="A Lark (llguidance) or GBNF grammar.")
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, json_object=bool(self.json_object),
+                                       regex=self.regex, choice=self.choice, grammar=self.grammar)
 
 
 class _Request(BaseModel):
@@ -47,6 +63,15 @@ class _Request(BaseModel):
     cache_salt: str | None = Field(None, description="Prefix-cache namespace (vLLM extension): "
                                    "only requests with the same salt share cached prompt "
                                    "blocks.")
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="Constrain the output (vLLM extension): json, json_object, regex, "
+                          "choice or grammar.")
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The grammar the output follows, and the request field it came from."""
+        if self.structured_outputs is None:
+            return None, "structured_outputs"
+        return self.structured_outputs.params(), "structured_outputs"
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
@@ -63,7 +88,8 @@ class _Request(BaseModel):
             min_tokens=self.min_tokens, stop=tuple([self.stop] if isinstance(self.stop, str)
                                                    else self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            n=self.n, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            n=self.n, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured()[0])
 
     @property
     def include_usage(self) -> bool:
@@ -114,11 +140,62 @@ class ChatMessage(BaseModel):
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):  # text parts are joined, as OpenAI does
             message["content"] = "".join(part.text for part in self.content)
+        if self.role == "assistant" and "content" not in message:
+            message["content"] = None  # a turn of calls only (templates test for it)
+        # Templates take a call's arguments as an object (transformers' convention); OpenAI
+        # clients send them as JSON text.
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise SamplingParamsError("messages", "tool_calls must be a list")
+            message["tool_calls"] = [_call_for_template(c) for c in calls]
         return message
 
 
+def _call_for_template(call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise SamplingParamsError("messages", f"a tool call needs function.name: {call!r}")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            raise SamplingParamsError("messages", f"tool call {function['name']!r}: arguments "
+                                      f"are not JSON ({e})") from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="Always enforced.")
+
+
 class ResponseFormat(BaseModel):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON schema of the arguments.")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    class _Name(BaseModel):
+        name: str
+
+    type: Literal["function"] = "function"
+    function: _Name
 
 
 class ChatCompletionRequest(_Request):
@@ -127,19 +204,64 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported (400 if given).")
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = Field(None, description="Only type 'text'.")
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: 'auto' with tools, 'none' without.")
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if isinstance(self.tool_choice, NamedToolChoice) and \
+                self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool named {self.tool_choice.function.name!r} "
+                             f"(tools: {', '.join(names) or 'none'})")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice: only allowed when tools are given")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """'none', 'auto', 'required', or 'named' (self.tool_choice names the function)."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def active_tools(self) -> list[Tool]:
+        """The tools the reply may call (the named one alone for a named tool_choice)."""
+        mode = self.tool_mode
+        if mode == "none":
+            return []
+        if mode == "named":
+            return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
+        return list(self.tools)
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str]:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return super().structured()
+        if self.structured_outputs is not None:
+            raise SamplingParamsError("response_format", "response_format and "
+                                      "structured_outputs cannot both constrain the output")
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise SamplingParamsError("response_format", "response_format json_schema needs "
+                                      "json_schema.schema")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_), "response_format"
+
     def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise SamplingParamsError("tools", "tool calling is not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise SamplingParamsError("response_format",
-                                      f"response_format {self.response_format.type!r} is not "
-                                      f"supported; only 'text'")
+        if self.tool_mode in ("required", "named") and self.structured()[0] is not None:
+            raise SamplingParamsError("tool_choice", f"tool_choice {self.tool_mode!r} constrains "
+                                      f"the output already; drop response_format / "
+                                      f"structured_outputs")
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs", "top_logprobs needs logprobs: true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

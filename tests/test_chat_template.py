@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 
 import pytest
 
@@ -126,9 +127,29 @@ def test_bad_messages_are_value_errors(ours, messages, match):
 
 
 def test_tool_call_message_without_content_is_accepted():
-    template = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}")
+    # A template that reads tool_calls itself gets the message as it is.
+    template = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                            "{{ m.tool_calls | length if m.tool_calls }};{% endfor %}{{ tools }}")
     messages = [_user("x"), {"role": "assistant", "tool_calls": [{"id": "1"}]}]
-    assert template.render(messages) == "user:x;assistant:;"
+    assert template.render(messages) == "user:x;assistant:1;None"
+
+
+def test_a_template_without_tools_gets_them_hermes_style():
+    """SmolLM2-like templates know nothing of tools: the signatures go in the system turn,
+    earlier calls become <tool_call> blocks and results <tool_response> user turns."""
+    template = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    messages = [_user("x"), {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "1", "function": {"name": "f", "arguments": {"a": 1}}}]},
+                {"role": "tool", "tool_call_id": "1", "content": "42"}]
+    out = template.render(messages, tools=[tool])
+    system, rest = out.split(";", 1)
+    assert system.startswith("system:# Tools") and json.dumps(tool) in system
+    assert rest == ('user:x;assistant:<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n'
+                    '</tool_call>;user:<tool_response>\n42\n</tool_response>;')
+    with_system = template.render([{"role": "system", "content": "Be brief."}, _user("x")],
+                                  tools=[tool])
+    assert with_system.startswith("system:Be brief.\n\n# Tools")
 
 
 def test_for_tokenizer_without_template(tmp_path):

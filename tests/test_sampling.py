@@ -365,3 +365,23 @@ def test_banned_tokens_are_never_picked_and_logprobs_stay_raw():
         [metadata(DRAWS, temperature=2.0, banned_tokens=np.array([1, 5] + [-1] * 14))]))
     assert not np.isin(np.asarray(draws.token_ids), [1, 5]).any()
     np.testing.assert_allclose(np.asarray(out.logprobs[0]), log_softmax64(LOGITS)[3], rtol=1e-5)
+
+
+def test_a_grammar_mask_limits_its_rows_only():
+    # V = 40 (two mask words, the second partly past V). Row 0 greedy and row 1 sampled hot
+    # follow a mask allowing {3, 33, 39}; row 2 is unconstrained and keeps its argmax even
+    # though its mask words are zero.
+    vocab = 40
+    logits = np.tile(np.linspace(1.0, -1.0, vocab, dtype=np.float32), (3, 1))  # argmax: id 0
+    md = metadata(3, vocab, temperature=np.array([0.0, 3.0, 0.0], np.float32),
+                  constrained=np.array([1, 1, 0], np.int32))
+    for i in (3, 33, 39):
+        md.token_mask[:2, i // 32] |= np.array(1 << (i % 32), np.uint32).view(np.int32)
+    out = sample_jit(jnp.asarray(logits), md)
+    assert int(out.token_ids[0]) == 3 and int(out.token_ids[2]) == 0
+    many = metadata(DRAWS, vocab, temperature=3.0, constrained=1, token_mask=md.token_mask[0])
+    draws = np.asarray(sample_jit(jnp.asarray(np.tile(logits[0], (DRAWS, 1))), many).token_ids)
+    assert set(np.unique(draws)) == {3, 33, 39}
+    # logprobs stay raw: the unmasked log-softmax at the picked token
+    np.testing.assert_allclose(np.asarray(out.logprobs[0]), log_softmax64(logits[0])[3],
+                               rtol=1e-5)
