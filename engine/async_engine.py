@@ -218,12 +218,17 @@ class AsyncEngine:
         """Each token's own text (for logprobs); partial UTF-8 shows as U+FFFD."""
         return [self.tokenizer.decode([i]) for i in ids]
 
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The model's chat template; ValueError when its files carry none."""
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.for_tokenizer(self.tokenizer)
+        return self._chat_template
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     **extra) -> str:
         """The prompt text for a chat; ValueError names what is wrong with the messages."""
-        if self._chat_template is None:
-            self._chat_template = ChatTemplate.for_tokenizer(self.tokenizer)
-        return self._chat_template.render(messages, add_generation_prompt, **extra)
+        return self.chat_template.render(messages, add_generation_prompt, **extra)
 
     def stats(self) -> EngineStats:
         """A snapshot for metrics; counters include engines that died and were rebuilt."""

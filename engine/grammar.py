@@ -35,6 +35,10 @@ from models.tokenizer import Tokenizer
 # "schema too large" at once). The server adds a wall-clock limit on top (COMPILE_TIMEOUT_S).
 LIMITS = dict(verbose_errors=False)
 COMPILE_TIMEOUT_S = 10.0
+# How constrained JSON is laid out: on one line, with a space after ',' and ':' (as models
+# write it; OpenAI's replies look the same). Free whitespace let small models loop on newlines
+# and indentation until max_tokens (vLLM offers to turn it off for the same reason).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 128
 
 
@@ -53,10 +57,9 @@ def mask_words(vocab_size: int) -> int:
 def grammar_text(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar of a request's `structured_outputs`."""
     try:
-        if spec.json is not None:
-            return llg.LLMatcher.grammar_from_json_schema(spec.json)
-        if spec.json_object:
-            return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+        if spec.json is not None or spec.json_object:
+            return llg.LLMatcher.grammar_from_json_schema(
+                spec.json if spec.json is not None else '{"type": "object"}', defaults=JSON_LAYOUT)
         if spec.regex is not None:
             return llg.LLMatcher.grammar_from_regex(spec.regex)
         if spec.choice is not None:

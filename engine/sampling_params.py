@@ -33,7 +33,7 @@ class StructuredOutputsParams:
 
     def __post_init__(self):
         if self.json is not None and not isinstance(self.json, str):  # a schema given as a dict
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+            object.__setattr__(self, "json", json.dumps(self.json))  # (keys in the given order)
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
         given = [name for name in ("json", "regex", "choice", "grammar")

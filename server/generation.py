@@ -9,6 +9,7 @@ engine request it started is closed, which aborts the unfinished ones.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -18,11 +19,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_engine import AsyncEngine, RequestStream
+from engine.grammar import GrammarError
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from server.errors import APIError, api_error
 from server.metrics import RequestTracker
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.tool_parsers import ToolCall, ToolCallDelta, ToolParser, ToolStream, parser_for_template
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -32,8 +35,11 @@ class Generation:
 
     def __init__(self, chat: bool, model: str, engine: AsyncEngine, params: SamplingParams,
                  tracker: RequestTracker, echo: bool = False, include_usage: bool = False,
-                 return_token_ids: bool = False, cache_salt: str | None = None):
+                 return_token_ids: bool = False, cache_salt: str | None = None,
+                 tools: ToolParser | None = None, structured_param: str = "structured_outputs"):
         self.chat = chat
+        self.tools = tools  # parses the replies' tool calls (chat with tools offered)
+        self.structured_param = structured_param  # the request field a grammar error names
         self.model = model
         self.engine = engine
         self.params = params
@@ -51,8 +57,11 @@ class Generation:
     async def start(self, prompts: list[str | list[int]], add_special_tokens: bool) -> None:
         try:
             for i, prompt in enumerate(prompts):
-                stream = await self.engine.add_request(prompt, self.params, f"{self.id}-{i}",
-                                                       add_special_tokens, self.cache_salt)
+                try:
+                    stream = await self.engine.add_request(prompt, self.params, f"{self.id}-{i}",
+                                                           add_special_tokens, self.cache_salt)
+                except GrammarError as e:
+                    raise APIError(400, str(e), param=self.structured_param) from None
                 self.streams.append(stream)
                 self.tracker.accepted(len(stream.prompt_token_ids))
                 if self.echo:
@@ -126,9 +135,16 @@ class Generation:
     def _choice(self, i: int, c: CompletionOutput) -> dict:
         index = i * self.params.n + c.index
         if self.chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": c.text},
-                      "logprobs": self._chat_logprobs(c.logprobs),
-                      "finish_reason": _FINISH.get(c.finish_reason)}
+            message = {"role": "assistant", "content": c.text}
+            finish = _FINISH.get(c.finish_reason)
+            if self.tools is not None:
+                content, calls = self.tools.parse(c.text)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [_call(call) for call in calls]}
+                    finish = "tool_calls"
+            choice = {"index": index, "message": message,
+                      "logprobs": self._chat_logprobs(c.logprobs), "finish_reason": finish}
         else:
             prefix = self.prompt_texts[i] if self.echo else ""
             choice = {"index": index, "text": prefix + c.text,
@@ -189,6 +205,7 @@ class Generation:
     async def _events(self) -> AsyncIterator[str]:
         n = self.params.n
         finished: set[int] = set()
+        calls: dict[int, ToolStream] = {}  # per choice, with tools: its calls as they come
         try:
             if self.chat:  # the role comes first, once per choice, as OpenAI sends it
                 for index in range(len(self.streams) * n):
@@ -208,10 +225,23 @@ class Generation:
                         continue
                     logprobs = (self._chat_logprobs(lps) if self.chat
                                 else self._completion_logprobs(lps, 0)) if lps else None
-                    content = ({"content": c.delta} if c.delta or not c.finish_reason else {}
-                               ) if self.chat else c.delta
-                    yield self._chunk(index, content, logprobs, _FINISH.get(c.finish_reason),
-                                      c.delta_token_ids)
+                    finish = _FINISH.get(c.finish_reason)
+                    if self.tools is not None:
+                        stream = calls.setdefault(index, self.tools.stream())
+                        text, deltas = stream.feed(c.delta)
+                        if c.finish_reason:
+                            more, last = stream.finish()
+                            text, deltas = text + more, deltas + last
+                            finish = "tool_calls" if stream.calls else finish
+                        if not (text or deltas or lps or finish):
+                            continue  # held back: maybe the start of a call
+                        content = {"content": text} if text else {}
+                        if deltas:
+                            content["tool_calls"] = [_call_delta(d) for d in deltas]
+                    else:
+                        content = ({"content": c.delta} if c.delta or not c.finish_reason else {}
+                                   ) if self.chat else c.delta
+                    yield self._chunk(index, content, logprobs, finish, c.delta_token_ids)
                     if c.finish_reason:
                         finished.add(index)
             if self.include_usage:
@@ -251,6 +281,21 @@ class _ClosingStream(StreamingResponse):
             self._on_close()
 
 
+def _call(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _call_delta(d: ToolCallDelta) -> dict:
+    """OpenAI's streamed form: id, type and name on a call's first piece only."""
+    out: dict = {"index": d.index}
+    if d.id is not None:
+        out.update(id=d.id, type="function", function={"name": d.name, "arguments": d.arguments})
+    else:
+        out["function"] = {"arguments": d.arguments}
+    return out
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -274,7 +319,7 @@ async def create_completion(request: Request, req: CompletionRequest, model: str
         raise APIError(400, "prompt is empty", param="prompt")
     gen = Generation(False, model, engine, req.to_sampling_params(), tracker, echo=req.echo,
                      include_usage=req.include_usage, return_token_ids=req.return_token_ids,
-                     cache_salt=req.cache_salt)
+                     cache_salt=req.cache_salt)  # (a grammar here comes from structured_outputs)
     await gen.start(prompts, add_special_tokens=True)
     return gen.stream_response() if req.stream else await gen.response(request)
 
@@ -282,13 +327,27 @@ async def create_completion(request: Request, req: CompletionRequest, model: str
 async def create_chat_completion(request: Request, req: ChatCompletionRequest, model: str,
                                  engine: AsyncEngine, tracker: RequestTracker) -> Response:
     params = req.to_sampling_params()
+    structured_param = req.structured()[1]
+    extra = dict(req.chat_template_kwargs or {})
+    parser = None
     try:
+        if req.tool_mode != "none":
+            parser = parser_for_template(engine.chat_template.source)
+            extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         prompt = engine.render_chat([m.for_template() for m in req.messages],
-                                    req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+                                    req.add_generation_prompt, **extra)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
+    if req.tool_mode in ("required", "named"):  # the reply is calls: constrain it to them
+        tools = [{"name": t.function.name, "parameters": t.function.parameters}
+                 for t in req.active_tools()]
+        grammar = parser.grammar(tools, req.parallel_tool_calls and req.tool_mode == "required")
+        params = dataclasses.replace(params,
+                                     structured_outputs=StructuredOutputsParams(grammar=grammar))
+        structured_param = "tools"
     gen = Generation(True, model, engine, params, tracker, include_usage=req.include_usage,
-                     return_token_ids=req.return_token_ids, cache_salt=req.cache_salt)
+                     return_token_ids=req.return_token_ids, cache_salt=req.cache_salt,
+                     tools=parser, structured_param=structured_param)
     # The template writes the special tokens (BOS included) itself.
     await gen.start([prompt], add_special_tokens=False)
     return gen.stream_response() if req.stream else await gen.response(request)
