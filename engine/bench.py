@@ -11,6 +11,9 @@ device copy bandwidth) and reports the achieved fraction of the matmul ceiling:
 dense FLOPs done per second (2 x non-embedding parameters per processed token, plus
 the LM head per sampled token; attention FLOPs not counted) over the matmul rate.
 
+`--json-schema SCHEMA` constrains every reply to a JSON schema (structured output) and adds
+the host time spent filling the grammar masks per step (`grammar_mask_ms_per_step`).
+
 `--simulate-device-ms X` measures the host path alone: the real scheduler, batch building,
 postprocessing and detokenizer (of the default model's tokenizer) run against a runner whose
 step takes X ms of wall time without holding the GIL or a core (a sleep), as a fast
@@ -31,6 +34,7 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +45,7 @@ from engine.config import EngineConfig
 from engine.device import size_kv
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, StepResult
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from models.llama import param_specs, weight
 from ops.attention import BACKENDS, KV_CACHE_DTYPES
 from ops.quantization import CHOICES as QUANTIZATION_CHOICES
@@ -218,13 +222,19 @@ def make_requests(args, vocab: int, special: frozenset[int]):
     lo_in = max(1, int(args.input_len * (1 - args.range_ratio)))
     lo_out = max(1, int(args.output_len * (1 - args.range_ratio)))
     usable = [t for t in range(min(vocab, 32000)) if t not in special]
+    structured = None
+    if args.json_schema:  # a file, or the schema itself
+        text = (Path(args.json_schema).read_text() if Path(args.json_schema).is_file()
+                else args.json_schema)
+        structured = StructuredOutputsParams(json=json.loads(text))
     reqs = []
     for _ in range(args.num_prompts):
         n_in = rng.randint(lo_in, args.input_len)
         n_out = rng.randint(lo_out, args.output_len)
         prompt = [rng.choice(usable) for _ in range(n_in)]
         reqs.append((prompt, SamplingParams(temperature=args.temperature, max_tokens=n_out,
-                                            ignore_eos=args.ignore_eos, seed=rng.getrandbits(32))))
+                                            ignore_eos=args.ignore_eos, seed=rng.getrandbits(32),
+                                            structured_outputs=structured)))
     return reqs
 
 
@@ -293,6 +303,10 @@ def summarize(engine: LLMEngine, timings, duration: float, ceilings: dict) -> di
         "async_scheduling": engine.async_scheduling,
         "num_preemptions": engine.scheduler.num_preemptions,
     }
+    if engine.grammars.mask_steps:  # host time filling grammar masks (beside the body)
+        res["grammar_mask_steps"] = engine.grammars.mask_steps
+        res["grammar_mask_ms_per_step"] = (1e3 * engine.grammars.mask_seconds
+                                           / engine.grammars.mask_steps)
     return res
 
 
@@ -338,6 +352,8 @@ def main(argv=None) -> int:
     p.add_argument("--simulate-device-ms", type=float, default=None,
                    help="measure the host path alone against a simulated device whose step "
                         "takes this long (no model runs)")
+    p.add_argument("--json-schema", help="constrain every reply to this JSON schema (a file or "
+                   "the schema's text): the cost of structured output")
     p.add_argument("--output", help="write the results as JSON")
     args = p.parse_args(argv)
     if args.max_model_len is None:

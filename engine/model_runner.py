@@ -176,8 +176,10 @@ class ModelRunner:
         mask = self._no_masks.get(num_seqs)
         if mask is None:
             shape = (num_seqs, -(-self.model_config.vocab_size // 32))
-            mask = self._no_masks[num_seqs] = jax.device_put(
-                np.zeros(shape, np.int32), None if self.mesh is None else replicated(self.mesh))
+            # Made on the devices (a device_put of host zeros needs every device addressable).
+            mask = self._no_masks[num_seqs] = jax.jit(
+                lambda: jnp.zeros(shape, jnp.int32),
+                out_shardings=None if self.mesh is None else replicated(self.mesh))()
         return mask
 
     def _kv_shape(self, cfg, num_pages: int | None = None) -> tuple[int, ...]:

@@ -20,6 +20,8 @@ bisections, the top-20 logprobs. That holds on CPU only (`_skip_unless`): on a G
 conditional on device data makes the host wait for its predicate, so there the work runs
 unconditionally (each skipped branch equals the full one when no row asks for its work).
 Under `vmap` a cond becomes a select and runs both branches: call these on the whole batch.
+Ids banned before `min_tokens` and a grammar's packed token mask (the `constrained` rows'
+`token_mask`, engine/grammar.py) limit the pick only, so logprobs stay the model's own.
 """
 
 from __future__ import annotations

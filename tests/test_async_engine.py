@@ -276,3 +276,33 @@ def test_a_reboot_frees_the_dead_engines_device_memory_first(default_gguf):
         assert live_bytes() - before_build < 1.1 * one_engine
     finally:
         engine.shutdown()
+
+
+def test_a_grammar_that_compiles_too_long_is_refused_and_nothing_is_queued(tokenizer,
+                                                                           monkeypatch):
+    import engine.async_engine as async_engine
+    from engine.grammar import GrammarError
+    from engine.sampling_params import StructuredOutputsParams
+
+    engine, _ = make_engine(tokenizer)
+    release = threading.Event()
+    real = engine.engine.grammars.compile
+    # A compile that holds until the test lets it go (state, not a clock): past the limit.
+    monkeypatch.setattr(engine.engine.grammars, "compile",
+                        lambda spec: (release.wait(), real(spec))[1])
+    monkeypatch.setattr(async_engine, "COMPILE_TIMEOUT_S", 0.05)
+    params = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(regex="a+"))
+
+    async def add():
+        try:
+            await engine.add_request([1000], params)
+        finally:
+            release.set()  # (asyncio.run waits for the executor's threads as it ends)
+
+    try:
+        with pytest.raises(GrammarError, match="longer than 0.05 s"):
+            asyncio.run(add())
+        assert engine.num_waiting == 0 and not engine.engine.has_unfinished()
+    finally:
+        release.set()
+        engine.shutdown()

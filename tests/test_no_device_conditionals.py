@@ -84,9 +84,10 @@ def test_the_model_body_with_the_gpu_kernel_has_no_conditional_on_device_data(mo
     assert data_dependent_conditionals(text) == []
     # the LM head + sampler + per-slot bookkeeping of the same step, and its CPU control
     hidden = np.zeros((cfg.max_num_seqs, runner.model_config.hidden_size), np.float32)
+    token_mask = np.zeros((4, -(-runner.model_config.vocab_size // 32)), np.int32)
     args = jax.tree.map(abstract, (runner.state, hidden, counts, mask, last,
-                                   batch.sampling_ints, batch.sampling_floats))
-    for platform, found in (("cuda", 0), ("cpu", 6)):
+                                   batch.sampling_ints, batch.sampling_floats, token_mask))
+    for platform, found in (("cuda", 0), ("cpu", 7)):
         text = jax.jit(runner._head).trace(*args).lower(lowering_platforms=(platform,)).as_text()
         assert len(data_dependent_conditionals(text)) >= found
         if platform == "cuda":
