@@ -47,7 +47,7 @@ from models.default_model import user_cache_dir
 from models.llama import param_specs
 from models.loader import load_config, resolve_dtype
 from models.sharding import sharded_config
-from ops.attention import resolve_kv_dtype
+from ops.attention import kv_token_bytes, resolve_kv_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def kv_pages(config: EngineConfig, memory_fraction: float | None = None,
     weights = weight_bytes if weight_bytes is not None else (
         itemsize * sum(math.prod(s.shape) for s in param_specs(cfg).values()) / tp)
     page = (2 * cfg.num_layers * config.block_size * run_cfg.num_kv_heads // tp
-            * cfg.head_dim * kv_dtype.itemsize)
+            * kv_token_bytes(kv_dtype, cfg.head_dim))
     memory = device_memory_bytes()
     cpu = jax.default_backend() == "cpu"
     if cpu:

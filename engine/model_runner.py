@@ -46,7 +46,7 @@ from engine.config import EngineConfig
 from models.loader import describe_quant, load_config, load_model, resolve_dtype, weight_bytes
 from models.progress import progress_bar
 from models.sharding import kv_cache_sharding, make_mesh, replicated, sharded_config
-from ops.attention import AttentionMetadata, KVCache, resolve_kv_dtype
+from ops.attention import QUANTIZED_KV, AttentionMetadata, KVCache, resolve_kv_dtype
 from ops.sampling import SamplingMetadata, count_sampled, reset_slot, sample
 
 logger = logging.getLogger(__name__)
@@ -130,6 +130,8 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.graphdef, self.state = nnx.split(model)
         self.kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
+        self.kv_scale_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh, 4)
+        self.kv_quantized = self.kv_dtype in QUANTIZED_KV  # int8 pages carry scales
         self.slot_state = self._zero_slot_state()
         self._no_masks: dict[int, jax.Array] = {}  # by sequence bucket (_no_token_mask)
         if sized_here:
@@ -238,9 +240,10 @@ class ModelRunner:
         largest body and head compiled against a 2-page KV pool (what a step allocates
         besides the weights and the pages does not depend on their number; the probes are
         kept in the executable store like the steps)."""
-        pages = jax.ShapeDtypeStruct(self._kv_shape(self.model_config, 2), self.kv_dtype,
-                                     sharding=self.kv_sharding)
-        kv = KVCache(pages, pages)
+        shape = self._kv_shape(self.model_config, 2)
+        pages = jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self.kv_sharding)
+        kv = KVCache.like(pages, jax.ShapeDtypeStruct(
+            shape[:4], jnp.float32, sharding=self.kv_scale_sharding) if self.kv_quantized else None)
         store = self._store(store_dir, dataclasses.replace(self.config, num_blocks=2), kv)
         largest = 0
         for bucket in (("tokens", self.config.token_buckets[-1]),
@@ -308,7 +311,9 @@ class ModelRunner:
             abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype)
         else:  # host inputs and outputs replicated; pages stay split by KV head
             everywhere = replicated(self.mesh)
-            outs = {"tokens": (everywhere, KVCache(self.kv_sharding, self.kv_sharding)),
+            pages = KVCache.like(self.kv_sharding,
+                                 self.kv_scale_sharding if self.kv_quantized else None)
+            outs = {"tokens": (everywhere, pages),
                     "seqs": everywhere, "penalties": everywhere}[kind]
             step = jax.jit(fn, donate_argnums=donate, out_shardings=outs)
             abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=everywhere)

@@ -25,7 +25,10 @@ TENSOR_AXIS = "tensor"
 # layer l; page 0 is a reserved dummy page that padded tokens write into. The pages hold
 # K/V in their own dtype (--kv-cache-dtype); every backend reads that and computes in q's.
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+# int8 pages carry a float32 scale per token and KV head (max |x| / 127 over head_dim): the
+# scale is set once when the token is written, so no page is ever requantized.
+QUANTIZED_KV = (jnp.dtype(jnp.int8),)
 
 
 def resolve_kv_dtype(name: str, compute_dtype, platform: str | None = None):
@@ -35,7 +38,11 @@ def resolve_kv_dtype(name: str, compute_dtype, platform: str | None = None):
     on CPU: XLA:CPU has no native bfloat16 scatter or gather and converts the whole pool to
     float32 and back for each layer's write (a 1,025-page pool: 3.5 s a step instead of
     0.1 ms; reads 10x slower), while float16 runs natively (attention 20% faster than
-    float32, docs/performance.md)."""
+    float32, docs/performance.md). int8 pages (53% of float16's bytes at head_dim 64) passed
+    parity (top-1 agreement 0.989) and beat float32 at 64 streams on the 2-core CPU, but
+    ran 1.5-4% slower than float16 and lose a little accuracy; the default pool is sized
+    by a budget either way, so `auto` stays float16 and int8 is the smallest-footprint
+    choice."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype {name!r}; choose from "
                          f"{', '.join(KV_CACHE_DTYPES)}")
@@ -49,19 +56,43 @@ def resolve_kv_dtype(name: str, compute_dtype, platform: str | None = None):
     return jnp.dtype(name)
 
 
+def kv_token_bytes(dtype, head_dim: int) -> int:
+    """Bytes one token's K (or V) takes per KV head in pages of `dtype` (int8: its scale too)."""
+    dtype = jnp.dtype(dtype)
+    return head_dim * dtype.itemsize + (4 if dtype in QUANTIZED_KV else 0)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
     k: jax.Array  # [L, P, page_size, Hkv, D]
     v: jax.Array  # [L, P, page_size, Hkv, D]
+    k_scale: jax.Array | None = None  # [L, P, page_size, Hkv] f32: int8 pages only
+    v_scale: jax.Array | None = None
 
     @classmethod
     def zeros(cls, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype,
               sharding=None):
-        """Zeroed pages, made directly in `sharding` (e.g. split by KV head) when given."""
+        """Zeroed pages (and scales, for int8), made directly in `sharding` (e.g. split by KV
+        head) when given."""
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-        return cls(make(), make())
+        if jnp.dtype(dtype) not in QUANTIZED_KV:
+            return cls(make(), make())
+        scale_sharding = None if sharding is None else jax.sharding.NamedSharding(
+            sharding.mesh, P(*sharding.spec[:4]))
+        scales = jax.jit(lambda: jnp.zeros(shape[:4], jnp.float32), out_shardings=scale_sharding)
+        return cls(make(), make(), scales(), scales())
+
+    @classmethod
+    def like(cls, pages, scales=None):
+        """A KVCache-shaped tree of `pages` for k and v and `scales` for the scales (when the
+        pages are quantized): shardings, specs or abstract shapes."""
+        return cls(pages, pages) if scales is None else cls(pages, pages, scales, scales)
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
     @property
     def page_size(self) -> int:
@@ -114,24 +145,50 @@ def _per_shard(fn, mesh, in_specs, out_specs):
 
 _HEADS = P(None, TENSOR_AXIS, None)                 # q, k, v, outputs: [T, heads, D]
 _KV_PAGES = P(None, None, None, TENSOR_AXIS, None)  # [L, P, page, Hkv, D]
+_KV_SCALES = P(None, None, None, TENSOR_AXIS)       # [L, P, page, Hkv]
+
+
+def _kv_specs(cache: KVCache) -> KVCache:
+    return KVCache.like(_KV_PAGES, _KV_SCALES if cache.quantized else None)
 
 
 def write_kv(cache: KVCache, layer, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array, mesh=None) -> KVCache:
     """Scatter this step's K/V ([T, Hkv, D]) into layer `layer`'s pages (per shard under a
     tensor-parallel mesh: each device writes its own KV heads)."""
-    kv_specs = KVCache(_KV_PAGES, _KV_PAGES)
-    return _per_shard(_write_kv, mesh, (kv_specs, P(), _HEADS, _HEADS, P()), kv_specs)(
+    specs = _kv_specs(cache)
+    return _per_shard(_write_kv, mesh, (specs, P(), _HEADS, _HEADS, P()), specs)(
         cache, layer, k, v, slot_mapping)
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[..., D] -> int8 [..., D] and its f32 scale [...] (max |x| / 127; 0 for a zero row)."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    safe = jnp.where(scale > 0, scale, 1.0)[..., None]
+    return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), scale
+
+
+def read_kv(pages: jax.Array, scales: jax.Array | None, dtype) -> jax.Array:
+    """Gathered pages ([..., D]) in `dtype`: int8 ones times their scales ([...])."""
+    if scales is None:
+        return pages.astype(dtype)
+    return (pages.astype(jnp.float32) * scales[..., None]).astype(dtype)
 
 
 def _write_kv(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:
     page_size = cache.page_size
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+    if not cache.quantized:
+        return KVCache(
+            cache.k.at[layer, pages, offsets].set(k.astype(cache.k.dtype)),
+            cache.v.at[layer, pages, offsets].set(v.astype(cache.v.dtype)),
+        )
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
     return KVCache(
-        cache.k.at[layer, pages, offsets].set(k.astype(cache.k.dtype)),
-        cache.v.at[layer, pages, offsets].set(v.astype(cache.v.dtype)),
-    )
+        cache.k.at[layer, pages, offsets].set(kq), cache.v.at[layer, pages, offsets].set(vq),
+        cache.k_scale.at[layer, pages, offsets].set(ks),
+        cache.v_scale.at[layer, pages, offsets].set(vs))
 
 
 def check_inputs(q, cache: KVCache, md: AttentionMetadata) -> None:
@@ -151,6 +208,12 @@ def check_inputs(q, cache: KVCache, md: AttentionMetadata) -> None:
     if cache.k.dtype != cache.v.dtype or cache.k.dtype.name not in KV_CACHE_DTYPES:
         raise ValueError(f"cache k and v must share a dtype of {', '.join(KV_CACHE_DTYPES[1:])}; "
                          f"got k {cache.k.dtype}, v {cache.v.dtype}")
+    want = cache.k.shape[:4] if cache.k.dtype in QUANTIZED_KV else None
+    got = None if cache.k_scale is None else cache.k_scale.shape
+    if got != want or (cache.v_scale is None) != (want is None) or (
+            want is not None and cache.v_scale.shape != want):
+        raise ValueError(f"{cache.k.dtype} pages need scales of shape {want}; got k_scale "
+                         f"{got}, v_scale {None if cache.v_scale is None else cache.v_scale.shape}")
     for name in ("query_start_loc", "kv_lens", "page_tables", "positions", "token_seq"):
         if getattr(md, name).dtype != jnp.int32:
             raise ValueError(f"md.{name} must be int32, got {getattr(md, name).dtype}")
@@ -255,6 +318,7 @@ def ref_ragged_paged_attention(
     lone decode's output projection took 200 us a layer instead of 47 (c=1: 27 -> 22 ms
     a token; docs/performance.md).
     """
+    check_inputs(q, cache, md)
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = cache.page_size, cache.k.shape[3]
     group = num_heads // num_kv_heads
@@ -281,8 +345,11 @@ def ref_ragged_paged_attention(
 
     # 1. This step's tokens: [Hkv, T * G, T] scores, row t * G + g.
     page, offset = md.slot_mapping // page_size, md.slot_mapping % page_size
-    k_new = cache.k[layer, page, offset].transpose(1, 0, 2).astype(q.dtype)  # [Hkv, T, D]
-    v_new = cache.v[layer, page, offset].transpose(1, 0, 2).astype(q.dtype)
+    def gather(pages, scales, *index):
+        return read_kv(pages[index], None if scales is None else scales[index], q.dtype)
+
+    k_new = gather(cache.k, cache.k_scale, layer, page, offset).transpose(1, 0, 2)  # [Hkv, T, D]
+    v_new = gather(cache.v, cache.v_scale, layer, page, offset).transpose(1, 0, 2)
     q_heads = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, num_tokens * group, head_dim)
     s = capped(jnp.einsum("kmd,knd->kmn", q_heads, k_new, preferred_element_type=f32))
     s = s.reshape(num_kv_heads, num_tokens, group, num_tokens)
@@ -318,8 +385,8 @@ def ref_ragged_paged_attention(
             cols = jax.lax.dynamic_slice_in_dim(tables, b * pages_per_block, pages_per_block, 1)
             pages = cols[sq]  # [R, pages_per_block]: whole pages, copied as slabs
             shape = (rows_per_block, block_kv, num_kv_heads, head_dim)
-            k = cache.k[layer, pages].reshape(shape).astype(q.dtype)  # the block, in cache
-            v = cache.v[layer, pages].reshape(shape).astype(q.dtype)
+            k = gather(cache.k, cache.k_scale, layer, pages).reshape(shape)  # the block, in cache
+            v = gather(cache.v, cache.v_scale, layer, pages).reshape(shape)
             # Scores [R, Hkv, G, n], or [R, Hkv, n, G] for a lone row: there the keys are
             # the left operand and XLA:CPU reads them as stored instead of transposing them.
             spec = "rkng" if lone else "rkgn"
@@ -431,5 +498,9 @@ def ragged_paged_attention(q, cache, layer, md, *, sm_scale, sliding_window=None
     each device attends its own query heads over its own KV heads."""
     impl = functools.partial(_BACKENDS[resolve_backend(backend)], sm_scale=sm_scale,
                              sliding_window=sliding_window, soft_cap=soft_cap)
-    kv_specs = KVCache(_KV_PAGES, _KV_PAGES)
-    return _per_shard(impl, mesh, (_HEADS, kv_specs, P(), P()), _HEADS)(q, cache, layer, md)
+    if cache.quantized and resolve_backend(backend) != "reference":
+        raise ValueError(f"{cache.k.dtype} KV pages are read by the reference attention only so "
+                         f"far, not {resolve_backend(backend)!r}: pass --attention-backend "
+                         f"reference, or another --kv-cache-dtype")
+    return _per_shard(impl, mesh, (_HEADS, _kv_specs(cache), P(), P()), _HEADS)(
+        q, cache, layer, md)

@@ -63,10 +63,41 @@ def test_attention_reads_pages_in_their_dtype(kernel, kv_dtype):
     np.testing.assert_array_equal(np.asarray(out)[case.num_real_rows:], 0.0)
 
 
+def test_int8_pages_round_trip_through_writes_with_their_scales():
+    """int8 pages hold each written token's K/V to within half a step of its own scale (max |x|
+    / 127 per token and KV head), and the reference attention over them equals attention over
+    the dequantized values in float32 pages; Pallas kernels refuse them with a clear error."""
+    case = make_case("mixed", num_kv_heads=2, group=2, head_dim=64, page_size=16)
+    shape = case.cache.k.shape
+    cache = KVCache.zeros(*shape, jnp.int8)
+    assert cache.quantized and cache.k_scale.shape == shape[:4]
+    rows = np.arange(shape[1] * shape[2], dtype=np.int32)[16:]  # every slot past page 0
+    page, offset = rows // shape[2], rows % shape[2]
+    k, v = case.cache.k[LAYER, page, offset], case.cache.v[LAYER, page, offset]  # [N, Hkv, D]
+    cache = attention.write_kv(cache, LAYER, k, v, jnp.asarray(rows))
+    back = np.asarray(cache.k[LAYER, page, offset], np.float32) * np.asarray(
+        cache.k_scale[LAYER, page, offset])[..., None]
+    step = np.abs(np.asarray(k)).max(-1, keepdims=True) / 127
+    assert np.all(np.abs(back - np.asarray(k)) <= step / 2 + 1e-6)
+    dequantized = KVCache(*(attention.read_kv(x, s, jnp.float32) for x, s in (
+        (cache.k, cache.k_scale), (cache.v, cache.v_scale))))
+    wrote = KVCache(case.cache.k.at[LAYER, page, offset].set(k),
+                    case.cache.v.at[LAYER, page, offset].set(v))
+    out = ref_ragged_paged_attention(case.q, cache, LAYER, case.md, sm_scale=0.125)
+    assert rel_err(out, oracle(case.q, dequantized, LAYER, case.md, sm_scale=0.125)) < 1e-5
+    assert rel_err(out, oracle(case.q, wrote, LAYER, case.md, sm_scale=0.125)) < 2e-2
+    with pytest.raises(ValueError, match="reference attention only"):
+        attention.ragged_paged_attention(case.q, cache, LAYER, case.md, sm_scale=0.125,
+                                         backend="pallas-gpu")
+    with pytest.raises(ValueError, match="need scales"):
+        ref_ragged_paged_attention(case.q, KVCache(cache.k, cache.v), LAYER, case.md,
+                                   sm_scale=0.125)
+
+
 WORDS = "the a sea light keeper engine never sleeps tide stone harbour night".split()
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
 def test_engine_writes_prefix_hits_and_preemption_equal_plain_decode(default_gguf, kv_dtype):
     from flax import nnx
 
