@@ -456,5 +456,5 @@ class ModelRunner:
         self.warm = False
 
     def kv_bytes(self) -> int:
-        """Bytes of the KV pool (every page, on the device)."""
-        return self.kv.k.nbytes + self.kv.v.nbytes
+        """Bytes of the KV pool (every page, and int8 pages' scales, on the device)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self.kv))
