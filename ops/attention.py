@@ -498,9 +498,5 @@ def ragged_paged_attention(q, cache, layer, md, *, sm_scale, sliding_window=None
     each device attends its own query heads over its own KV heads."""
     impl = functools.partial(_BACKENDS[resolve_backend(backend)], sm_scale=sm_scale,
                              sliding_window=sliding_window, soft_cap=soft_cap)
-    if cache.quantized and resolve_backend(backend) != "reference":
-        raise ValueError(f"{cache.k.dtype} KV pages are read by the reference attention only so "
-                         f"far, not {resolve_backend(backend)!r}: pass --attention-backend "
-                         f"reference, or another --kv-cache-dtype")
     return _per_shard(impl, mesh, (_HEADS, _kv_specs(cache), P(), P()), _HEADS)(
         q, cache, layer, md)

@@ -74,9 +74,9 @@ def _kernel(
     q_ref,        # [T, H, D]
     k_ref,        # [L, P, page_size, Hkv, D]
     v_ref,        # [L, P, page_size, Hkv, D]
-    o_ref,        # [M, D]: this split's normalized output for the item's rows
-    lse_ref,      # [M] float32: this split's log-sum-exp (-inf: no visible key)
-    *,
+    *refs,        # int8 pages: k_scale_ref, v_scale_ref [L, P, page_size, Hkv] f32; then
+                  # o_ref [M, D]: this split's normalized output for the item's rows, and
+                  # lse_ref [M] f32: this split's log-sum-exp (-inf: no visible key)
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -84,6 +84,7 @@ def _kernel(
     pages_per_block: int,
     pages_per_split: int,
 ):
+    scale_refs, (o_ref, lse_ref) = refs[:-2], refs[-2:]
     item, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_rows, head_dim = o_ref.shape  # num_rows = block_q * group
     num_tokens = q_ref.shape[0]
@@ -115,8 +116,15 @@ def _kernel(
         acc, m_prev, l_prev = carry  # [M, D], [M], [M]
         first_page = start + b * pages_per_block
         pages = tables_ref[seq, pl.ds(first_page, pages_per_block)]  # [pages_per_block]
-        k = k_ref[layer, pages, :, head, :].reshape(block_k, head_dim).astype(q.dtype)
-        v = v_ref[layer, pages, :, head, :].reshape(block_k, head_dim).astype(q.dtype)
+        def read(ref, scale_ref):  # [block_k, D] in q's dtype (int8 pages times their scales)
+            x = ref[layer, pages, :, head, :].reshape(block_k, head_dim)
+            if scale_ref is None:
+                return x.astype(q.dtype)
+            scale = scale_ref[layer, pages, :, head].reshape(block_k, 1)
+            return (x.astype(jnp.float32) * scale).astype(q.dtype)
+
+        k = read(k_ref, scale_refs[0] if scale_refs else None)
+        v = read(v_ref, scale_refs[1] if scale_refs else None)
         # HIGHEST: float32 inputs get an IEEE dot instead of TF32; no effect on bf16.
         s = pl_triton.dot(q, k, trans_b=True, precision=jax.lax.Precision.HIGHEST) * sm_scale
         if soft_cap is not None:
@@ -277,7 +285,7 @@ def _attention(q, cache, layer, md, *, sm_scale, sliding_window, soft_cap, inter
     o, lse = pl.pallas_call(
         kernel,
         grid=(num_items, num_kv_heads, num_kv_splits),
-        in_specs=[whole] * 9,
+        in_specs=[whole] * (11 if cache.quantized else 9),
         out_specs=[
             pl.BlockSpec((None, None, None, num_rows, head_dim),
                          lambda i, h, k: (i, h, k, 0, 0)),
@@ -294,7 +302,8 @@ def _attention(q, cache, layer, md, *, sm_scale, sliding_window, soft_cap, inter
         # num_warps / num_stages are unmeasured guesses.
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
         name="ragged_paged_attention",
-    )(layer.reshape(1), *items, tables, q, cache.k, cache.v)
+    )(layer.reshape(1), *items, tables, q, cache.k, cache.v,
+      *((cache.k_scale, cache.v_scale) if cache.quantized else ()))
 
     # Gather each query row's tile rows back: [T, Hkv, K, group, ...].
     o = o.reshape(num_items, num_kv_heads, num_kv_splits, block_q, group, head_dim)

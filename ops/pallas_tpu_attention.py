@@ -178,7 +178,7 @@ def _kernel(
 def _validate(q, cache: KVCache, md: AttentionMetadata, block_q, pages_per_block):
     check_inputs(q, cache, md)
     for what, dtype in (("q", q.dtype), ("KV cache", cache.k.dtype)):
-        if dtype not in (jnp.float32, jnp.bfloat16):
+        if dtype not in (jnp.float32, jnp.bfloat16):  # (int8 pages: the reference, Pallas GPU)
             raise ValueError(f"{what} dtype must be float32 or bfloat16, got {dtype}")
     # TPU tiling: pages stack along sublanes (8 rows of 32 bits, 16 of bf16); D fills lanes.
     sublanes = 8 * (4 // cache.k.dtype.itemsize)

@@ -66,7 +66,8 @@ def test_attention_reads_pages_in_their_dtype(kernel, kv_dtype):
 def test_int8_pages_round_trip_through_writes_with_their_scales():
     """int8 pages hold each written token's K/V to within half a step of its own scale (max |x|
     / 127 per token and KV head), and the reference attention over them equals attention over
-    the dequantized values in float32 pages; Pallas kernels refuse them with a clear error."""
+    the dequantized values in float32 pages, as does the Pallas GPU kernel (interpreted); the
+    TPU kernel refuses them."""
     case = make_case("mixed", num_kv_heads=2, group=2, head_dim=64, page_size=16)
     shape = case.cache.k.shape
     cache = KVCache.zeros(*shape, jnp.int8)
@@ -83,12 +84,13 @@ def test_int8_pages_round_trip_through_writes_with_their_scales():
         (cache.k, cache.k_scale), (cache.v, cache.v_scale))))
     wrote = KVCache(case.cache.k.at[LAYER, page, offset].set(k),
                     case.cache.v.at[LAYER, page, offset].set(v))
-    out = ref_ragged_paged_attention(case.q, cache, LAYER, case.md, sm_scale=0.125)
-    assert rel_err(out, oracle(case.q, dequantized, LAYER, case.md, sm_scale=0.125)) < 1e-5
-    assert rel_err(out, oracle(case.q, wrote, LAYER, case.md, sm_scale=0.125)) < 2e-2
-    with pytest.raises(ValueError, match="reference attention only"):
-        attention.ragged_paged_attention(case.q, cache, LAYER, case.md, sm_scale=0.125,
-                                         backend="pallas-gpu")
+    for kernel in ("reference", "pallas-gpu"):
+        out = KERNELS[kernel](case.q, cache, LAYER, case.md, sm_scale=0.125)
+        assert rel_err(out, oracle(case.q, dequantized, LAYER, case.md, sm_scale=0.125)) < 1e-5
+        assert rel_err(out, oracle(case.q, wrote, LAYER, case.md, sm_scale=0.125)) < 2e-2
+        np.testing.assert_array_equal(np.asarray(out)[case.num_real_rows:], 0.0)
+    with pytest.raises(ValueError, match="float32 or bfloat16, got int8"):  # Mosaic: not yet
+        KERNELS["pallas-tpu"](case.q, cache, LAYER, case.md, sm_scale=0.125)
     with pytest.raises(ValueError, match="need scales"):
         ref_ragged_paged_attention(case.q, KVCache(cache.k, cache.v), LAYER, case.md,
                                    sm_scale=0.125)
