@@ -8,7 +8,7 @@ import dataclasses
 # holds the two equal).
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 # The --kv-cache-dtype choices: ops.attention.KV_CACHE_DTYPES (held equal by a test too).
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 
 
 def parse_bytes(text: str | int) -> int:

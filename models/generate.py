@@ -14,7 +14,7 @@ from flax import nnx
 
 from models.llama import Llama
 from models.sharding import kv_cache_sharding
-from ops.attention import AttentionMetadata, KVCache
+from ops.attention import AttentionMetadata, KVCache, kv_storage_dtype
 from ops.quantization import CHOICES
 
 
@@ -32,7 +32,7 @@ class GreedyDecoder:
         self.max_len = self.num_pages * page_size
         self.graphdef, self.state = nnx.split(model)
         self.dtype = model.dtype
-        self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
+        self.kv_dtype = kv_storage_dtype(kv_dtype or model.dtype)
         self.kv_sharding = None if model.mesh is None else kv_cache_sharding(model.mesh)
 
         def step(state, tokens, positions, cache, md, logits_indices):

@@ -217,7 +217,8 @@ def main(argv=None) -> int:
                         help="load our weights quantized (as the server's flag) and measure "
                              "top-1 agreement and KL against the float32 reference instead of "
                              "greedy parity, which runs on float weights")
-    parser.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "float16", "int8"],
+    parser.add_argument("--kv-cache-dtype",
+                        choices=["float32", "bfloat16", "float16", "int8", "fp8"],
                         help="hold our KV pages in this dtype and measure top-1 agreement and "
                              "KL against the float32 reference instead of greedy parity")
     parser.add_argument("--min-agreement", type=float,

@@ -25,7 +25,15 @@ TENSOR_AXIS = "tensor"
 # layer l; page 0 is a reserved dummy page that padded tokens write into. The pages hold
 # K/V in their own dtype (--kv-cache-dtype); every backend reads that and computes in q's.
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+# fp8 pages hold e4m3 values as they are (no scale; K/V beyond its +-448 saturate).
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+_STORED = {"fp8": FP8}  # --kv-cache-dtype names that are not the dtype's own name
+
+
+def kv_storage_dtype(name: str):
+    """The dtype `--kv-cache-dtype name` stores (any dtype or name jnp.dtype takes, or fp8)."""
+    return jnp.dtype(_STORED.get(name, name)) if isinstance(name, str) else jnp.dtype(name)
 # int8 pages carry a float32 scale per token and KV head (max |x| / 127 over head_dim): the
 # scale is set once when the token is written, so no page is ever requantized.
 QUANTIZED_KV = (jnp.dtype(jnp.int8),)
@@ -49,11 +57,11 @@ def resolve_kv_dtype(name: str, compute_dtype, platform: str | None = None):
     platform = platform or jax.default_backend()
     if name == "auto":
         return jnp.dtype(jnp.float16) if platform == "cpu" else jnp.dtype(compute_dtype)
-    if name == "bfloat16" and platform == "cpu":
-        raise ValueError("--kv-cache-dtype bfloat16 is not supported on CPU (XLA:CPU converts "
+    if name in ("bfloat16", "fp8") and platform == "cpu":
+        raise ValueError(f"--kv-cache-dtype {name} is not supported on CPU (XLA:CPU converts "
                          "the whole KV pool for every write: seconds a step); use float16, "
-                         "the default there")
-    return jnp.dtype(name)
+                         "the default there, or int8")
+    return kv_storage_dtype(name)
 
 
 def kv_token_bytes(dtype, head_dim: int) -> int:
@@ -176,13 +184,19 @@ def read_kv(pages: jax.Array, scales: jax.Array | None, dtype) -> jax.Array:
     return (pages.astype(jnp.float32) * scales[..., None]).astype(dtype)
 
 
+def _stored(x: jax.Array, dtype) -> jax.Array:
+    if dtype == FP8:  # e4m3 has no infinity: out-of-range values would become NaN
+        x = jnp.clip(x.astype(jnp.float32), -448.0, 448.0)
+    return x.astype(dtype)
+
+
 def _write_kv(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:
     page_size = cache.page_size
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
     if not cache.quantized:
         return KVCache(
-            cache.k.at[layer, pages, offsets].set(k.astype(cache.k.dtype)),
-            cache.v.at[layer, pages, offsets].set(v.astype(cache.v.dtype)),
+            cache.k.at[layer, pages, offsets].set(_stored(k, cache.k.dtype)),
+            cache.v.at[layer, pages, offsets].set(_stored(v, cache.v.dtype)),
         )
     (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
     return KVCache(
@@ -205,7 +219,8 @@ def check_inputs(q, cache: KVCache, md: AttentionMetadata) -> None:
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {kv_head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not divisible by num_kv_heads {num_kv_heads}")
-    if cache.k.dtype != cache.v.dtype or cache.k.dtype.name not in KV_CACHE_DTYPES:
+    if cache.k.dtype != cache.v.dtype or cache.k.dtype not in (
+            kv_storage_dtype(n) for n in KV_CACHE_DTYPES[1:]):
         raise ValueError(f"cache k and v must share a dtype of {', '.join(KV_CACHE_DTYPES[1:])}; "
                          f"got k {cache.k.dtype}, v {cache.v.dtype}")
     want = cache.k.shape[:4] if cache.k.dtype in QUANTIZED_KV else None

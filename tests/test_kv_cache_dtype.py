@@ -33,6 +33,10 @@ def test_auto_and_refusals_by_platform():
     assert resolve_kv_dtype("bfloat16", jnp.bfloat16, "gpu") == jnp.bfloat16
     with pytest.raises(ValueError, match="not supported on CPU.*float16"):
         resolve_kv_dtype("bfloat16", jnp.float32, "cpu")
+    with pytest.raises(ValueError, match="fp8 is not supported on CPU"):
+        resolve_kv_dtype("fp8", jnp.float32, "cpu")
+    assert resolve_kv_dtype("fp8", jnp.bfloat16, "gpu") == jnp.float8_e4m3fn
+    assert resolve_kv_dtype("int8", jnp.float32, "cpu") == jnp.int8
     with pytest.raises(ValueError, match="unknown KV cache dtype 'int3'"):
         resolve_kv_dtype("int3", jnp.float32, "cpu")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
@@ -47,8 +51,8 @@ KERNELS = {
 
 
 @pytest.mark.parametrize("kernel, kv_dtype", [
-    ("reference", "float16"), ("reference", "bfloat16"),
-    ("pallas-gpu", "float16"), ("pallas-gpu", "bfloat16"),
+    ("reference", "float16"), ("reference", "bfloat16"), ("reference", "float8_e4m3fn"),
+    ("pallas-gpu", "float16"), ("pallas-gpu", "bfloat16"), ("pallas-gpu", "float8_e4m3fn"),
     ("pallas-tpu", "bfloat16"),  # Mosaic takes float32 and bfloat16 pages only
 ])
 def test_attention_reads_pages_in_their_dtype(kernel, kv_dtype):
