@@ -48,7 +48,7 @@ def resolve_kv_dtype(name: str, compute_dtype, platform: str | None = None):
     0.1 ms; reads 10x slower), while float16 runs natively (attention 20% faster than
     float32, docs/performance.md). int8 pages (53% of float16's bytes at head_dim 64) passed
     parity (top-1 agreement 0.989) and beat float32 at 64 streams on the 2-core CPU, but
-    ran 1.5-4% slower than float16 and lose a little accuracy; the default pool is sized
+    ran ~1% slower than float16 and lose a little accuracy; the default pool is sized
     by a budget either way, so `auto` stays float16 and int8 is the smallest-footprint
     choice."""
     if name not in KV_CACHE_DTYPES:
@@ -400,12 +400,18 @@ def ref_ragged_paged_attention(
             cols = jax.lax.dynamic_slice_in_dim(tables, b * pages_per_block, pages_per_block, 1)
             pages = cols[sq]  # [R, pages_per_block]: whole pages, copied as slabs
             shape = (rows_per_block, block_kv, num_kv_heads, head_dim)
-            k = gather(cache.k, cache.k_scale, layer, pages).reshape(shape)  # the block, in cache
-            v = gather(cache.v, cache.v_scale, layer, pages).reshape(shape)
+            k = cache.k[layer, pages].reshape(shape).astype(q.dtype)  # the block, in cache
+            v = cache.v[layer, pages].reshape(shape).astype(q.dtype)
             # Scores [R, Hkv, G, n], or [R, Hkv, n, G] for a lone row: there the keys are
             # the left operand and XLA:CPU reads them as stored instead of transposing them.
             spec = "rkng" if lone else "rkgn"
-            s = capped(jnp.einsum(f"rnkd,rkgd->{spec}", k, qb, preferred_element_type=f32))
+            s = jnp.einsum(f"rnkd,rkgd->{spec}", k, qb, preferred_element_type=f32)
+            if cache.quantized:  # int8 pages: each key's scale goes on its scores, not its D
+                def per_key(scales):  # [R, n, Hkv] -> broadcastable against the scores
+                    x = scales[layer, pages].reshape(shape[:3]).transpose(0, 2, 1)
+                    return x[:, :, :, None] if lone else x[:, :, None, :]
+                s = s * per_key(cache.k_scale)
+            s = capped(s)
             kv_pos = b * block_kv + offsets
             seen = (kv_pos[None, :] < hist[:, None]) & (kv_pos[None, :] >= low[:, None])
             s = jnp.where(seen[:, None, :, None] if lone else seen[:, None, None, :], s,
@@ -414,7 +420,9 @@ def ref_ragged_paged_attention(
             m_safe = jnp.where(jnp.isfinite(m_next), m_next, 0.0)  # no key yet: exp gives 0
             correction = jnp.exp(m_prev - m_safe)
             p = jnp.exp(s - jnp.expand_dims(m_safe, n_axis))
-            pv = jnp.einsum(f"{spec},rnkd->rkgd", p.astype(v.dtype), v, preferred_element_type=f32)
+            weights = p * per_key(cache.v_scale) if cache.quantized else p  # (and on V's)
+            pv = jnp.einsum(f"{spec},rnkd->rkgd", weights.astype(v.dtype), v,
+                            preferred_element_type=f32)
             l_next = correction * l_prev + p.sum(n_axis)
             acc = (correction * l_prev)[..., None] * out.reshape(pv.shape) + pv
             return normalized(acc, l_next).reshape(out.shape), m_next, l_next
