@@ -91,21 +91,26 @@ class Grammars:
             return self._ll_tokenizer
 
     def compile(self, spec: StructuredOutputsParams) -> llg.LLMatcher:
-        """A fresh matcher for `spec` at its start; GrammarError when it cannot be had."""
+        """`spec`'s compiled matcher at its start, from the cache or compiled into it (never
+        stepped: `matcher` hands out copies); GrammarError when it cannot be had."""
         with self._lock:
             template = self._cache.get(spec)
             if template is not None:
                 self._cache.move_to_end(spec)
-                return template.deep_copy()
-        matcher = llg.LLMatcher(self._tokenizer(), grammar_text(spec), log_level=0,
-                                limits=llg.LLParserLimits(**LIMITS))
-        if matcher.is_error():
-            raise GrammarError(f"invalid structured output: {matcher.get_error()}")
+                return template
+        template = llg.LLMatcher(self._tokenizer(), grammar_text(spec), log_level=0,
+                                 limits=llg.LLParserLimits(**LIMITS))
+        if template.is_error():
+            raise GrammarError(f"invalid structured output: {template.get_error()}")
         with self._lock:
-            self._cache[spec] = matcher
+            self._cache[spec] = template
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return matcher.deep_copy()
+        return template
+
+    def matcher(self, spec: StructuredOutputsParams) -> llg.LLMatcher:
+        """A fresh matcher for one sequence following `spec`."""
+        return self.compile(spec).deep_copy()
 
     def fill_mask(self, rows: list[tuple[int, llg.LLMatcher]], num_rows: int) -> np.ndarray:
         """[num_rows, mask_words(V)] int32: each (row, matcher)'s allowed next tokens; other

@@ -104,7 +104,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         base = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        matchers = [self.grammars.compile(params.structured_outputs)  # raises GrammarError
+        matchers = [self.grammars.matcher(params.structured_outputs)  # raises GrammarError
                     for _ in range(params.n)] if params.structured_outputs else []
         req = Request(request_id, ids, params, [], [])
         for i in range(params.n):
@@ -158,7 +158,7 @@ class LLMEngine:
                                                 entry.seq.num_cached_tokens)
             batch = self.input_batch.build(out, self._seeds)
             rows = [(i, self._matchers[e.seq.seq_id]) for i, e in enumerate(out.scheduled)
-                    if e.samples and e.seq.seq_id in self._matchers]
+                    if e.samples and e.seq.seq_id in self._matchers] if self._matchers else []
             if rows:
                 batch.token_mask = functools.partial(self.grammars.fill_mask, rows,
                                                      batch.bucket[1])

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from engine import cluster, device
 from engine.batch import (
@@ -43,10 +45,11 @@ from engine.batch import (
     sampling_layout,
 )
 from engine.config import EngineConfig
+from engine.grammar import mask_words
 from models.loader import describe_quant, load_config, load_model, resolve_dtype, weight_bytes
 from models.progress import progress_bar
 from models.sharding import kv_cache_sharding, make_mesh, replicated, sharded_config
-from ops.attention import QUANTIZED_KV, AttentionMetadata, KVCache, resolve_kv_dtype
+from ops.attention import QUANTIZED_KV, AttentionMetadata, KVCache, kv_specs, resolve_kv_dtype
 from ops.sampling import SamplingMetadata, count_sampled, reset_slot, sample
 
 logger = logging.getLogger(__name__)
@@ -129,9 +132,10 @@ class ModelRunner:
         self.dtype = model.dtype
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.graphdef, self.state = nnx.split(model)
-        self.kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
-        self.kv_scale_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh, 4)
-        self.kv_quantized = self.kv_dtype in QUANTIZED_KV  # int8 pages carry scales
+        # How the pool splits by KV head under a mesh: pages, and int8 pages' scales.
+        self.kv_shardings = None if self.mesh is None else jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec),
+            kv_specs(self.kv_dtype in QUANTIZED_KV), is_leaf=lambda x: isinstance(x, P))
         self.slot_state = self._zero_slot_state()
         self._no_masks: dict[int, jax.Array] = {}  # by sequence bucket (_no_token_mask)
         if sized_here:
@@ -177,7 +181,7 @@ class ModelRunner:
         step transfers nothing for it (its `constrained` column is all 0)."""
         mask = self._no_masks.get(num_seqs)
         if mask is None:
-            shape = (num_seqs, -(-self.model_config.vocab_size // 32))
+            shape = (num_seqs, mask_words(self.model_config.vocab_size))
             # Made on the devices (a device_put of host zeros needs every device addressable).
             mask = self._no_masks[num_seqs] = jax.jit(
                 lambda: jnp.zeros(shape, jnp.int32),
@@ -240,10 +244,11 @@ class ModelRunner:
         largest body and head compiled against a 2-page KV pool (what a step allocates
         besides the weights and the pages does not depend on their number; the probes are
         kept in the executable store like the steps)."""
-        shape = self._kv_shape(self.model_config, 2)
-        pages = jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self.kv_sharding)
-        kv = KVCache.like(pages, jax.ShapeDtypeStruct(
-            shape[:4], jnp.float32, sharding=self.kv_scale_sharding) if self.kv_quantized else None)
+        kv = jax.eval_shape(lambda: KVCache.zeros(*self._kv_shape(self.model_config, 2),
+                                                  self.kv_dtype))
+        if self.kv_shardings is not None:
+            kv = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              kv, self.kv_shardings)
         store = self._store(store_dir, dataclasses.replace(self.config, num_blocks=2), kv)
         largest = 0
         for bucket in (("tokens", self.config.token_buckets[-1]),
@@ -298,7 +303,7 @@ class ModelRunner:
             device_args = (self.state,)
             batch = empty_batch(cfg, (1, size))
             host_args = (hidden, counts, mask, last, batch.sampling_ints, batch.sampling_floats,
-                         np.zeros((size, -(-self.model_config.vocab_size // 32)), np.int32))
+                         np.zeros((size, mask_words(self.model_config.vocab_size)), np.int32))
         elif kind == "penalties":
             fn, donate = reset_slot, (0, 1)
             device_args = (counts, mask)
@@ -311,9 +316,7 @@ class ModelRunner:
             abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype)
         else:  # host inputs and outputs replicated; pages stay split by KV head
             everywhere = replicated(self.mesh)
-            pages = KVCache.like(self.kv_sharding,
-                                 self.kv_scale_sharding if self.kv_quantized else None)
-            outs = {"tokens": (everywhere, pages),
+            outs = {"tokens": (everywhere, self.kv_shardings),
                     "seqs": everywhere, "penalties": everywhere}[kind]
             step = jax.jit(fn, donate_argnums=donate, out_shardings=outs)
             abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=everywhere)

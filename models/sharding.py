@@ -110,10 +110,10 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, quant: dict | None = None) -> 
                  for name, spec in specs.items()})
 
 
-def kv_cache_sharding(mesh: Mesh, ndim: int = 5) -> NamedSharding:
-    """KV pages [L, P, page, Hkv, D] (or their int8 scales [L, P, page, Hkv], ndim 4) split by
-    KV head."""
-    return NamedSharding(mesh, PartitionSpec(None, None, None, TENSOR_AXIS, *[None] * (ndim - 4)))
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    """KV pages [L, P, page, Hkv, D] split by KV head (KVCache.zeros splits int8 pages' scales
+    the same way)."""
+    return NamedSharding(mesh, PartitionSpec(None, None, None, TENSOR_AXIS, None))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -26,6 +26,9 @@ TENSOR_AXIS = "tensor"
 # K/V in their own dtype (--kv-cache-dtype); every backend reads that and computes in q's.
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+# int8 pages carry a float32 scale per token and KV head (max |x| / 127 over head_dim): the
+# scale is set once when the token is written, so no page is ever requantized.
+QUANTIZED_KV = (jnp.dtype(jnp.int8),)
 # fp8 pages hold e4m3 values as they are (no scale; K/V beyond its +-448 saturate).
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _STORED = {"fp8": FP8}  # --kv-cache-dtype names that are not the dtype's own name
@@ -34,9 +37,6 @@ _STORED = {"fp8": FP8}  # --kv-cache-dtype names that are not the dtype's own na
 def kv_storage_dtype(name: str):
     """The dtype `--kv-cache-dtype name` stores (any dtype or name jnp.dtype takes, or fp8)."""
     return jnp.dtype(_STORED.get(name, name)) if isinstance(name, str) else jnp.dtype(name)
-# int8 pages carry a float32 scale per token and KV head (max |x| / 127 over head_dim): the
-# scale is set once when the token is written, so no page is ever requantized.
-QUANTIZED_KV = (jnp.dtype(jnp.int8),)
 
 
 def resolve_kv_dtype(name: str, compute_dtype, platform: str | None = None):
@@ -91,12 +91,6 @@ class KVCache:
             sharding.mesh, P(*sharding.spec[:4]))
         scales = jax.jit(lambda: jnp.zeros(shape[:4], jnp.float32), out_shardings=scale_sharding)
         return cls(make(), make(), scales(), scales())
-
-    @classmethod
-    def like(cls, pages, scales=None):
-        """A KVCache-shaped tree of `pages` for k and v and `scales` for the scales (when the
-        pages are quantized): shardings, specs or abstract shapes."""
-        return cls(pages, pages) if scales is None else cls(pages, pages, scales, scales)
 
     @property
     def quantized(self) -> bool:
@@ -156,15 +150,17 @@ _KV_PAGES = P(None, None, None, TENSOR_AXIS, None)  # [L, P, page, Hkv, D]
 _KV_SCALES = P(None, None, None, TENSOR_AXIS)       # [L, P, page, Hkv]
 
 
-def _kv_specs(cache: KVCache) -> KVCache:
-    return KVCache.like(_KV_PAGES, _KV_SCALES if cache.quantized else None)
+def kv_specs(quantized: bool) -> KVCache:
+    """How a KV pool splits over the tensor axis: its tree of PartitionSpecs (by KV head)."""
+    return (KVCache(_KV_PAGES, _KV_PAGES, _KV_SCALES, _KV_SCALES) if quantized
+            else KVCache(_KV_PAGES, _KV_PAGES))
 
 
 def write_kv(cache: KVCache, layer, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array, mesh=None) -> KVCache:
     """Scatter this step's K/V ([T, Hkv, D]) into layer `layer`'s pages (per shard under a
     tensor-parallel mesh: each device writes its own KV heads)."""
-    specs = _kv_specs(cache)
+    specs = kv_specs(cache.quantized)
     return _per_shard(_write_kv, mesh, (specs, P(), _HEADS, _HEADS, P()), specs)(
         cache, layer, k, v, slot_mapping)
 
@@ -224,11 +220,9 @@ def check_inputs(q, cache: KVCache, md: AttentionMetadata) -> None:
         raise ValueError(f"cache k and v must share a dtype of {', '.join(KV_CACHE_DTYPES[1:])}; "
                          f"got k {cache.k.dtype}, v {cache.v.dtype}")
     want = cache.k.shape[:4] if cache.k.dtype in QUANTIZED_KV else None
-    got = None if cache.k_scale is None else cache.k_scale.shape
-    if got != want or (cache.v_scale is None) != (want is None) or (
-            want is not None and cache.v_scale.shape != want):
-        raise ValueError(f"{cache.k.dtype} pages need scales of shape {want}; got k_scale "
-                         f"{got}, v_scale {None if cache.v_scale is None else cache.v_scale.shape}")
+    got = tuple(None if x is None else x.shape for x in (cache.k_scale, cache.v_scale))
+    if got != (want, want):
+        raise ValueError(f"{cache.k.dtype} pages need scales of shape {want}; got (k, v) {got}")
     for name in ("query_start_loc", "kv_lens", "page_tables", "positions", "token_seq"):
         if getattr(md, name).dtype != jnp.int32:
             raise ValueError(f"md.{name} must be int32, got {getattr(md, name).dtype}")
@@ -521,5 +515,5 @@ def ragged_paged_attention(q, cache, layer, md, *, sm_scale, sliding_window=None
     each device attends its own query heads over its own KV heads."""
     impl = functools.partial(_BACKENDS[resolve_backend(backend)], sm_scale=sm_scale,
                              sliding_window=sliding_window, soft_cap=soft_cap)
-    return _per_shard(impl, mesh, (_HEADS, _kv_specs(cache), P(), P()), _HEADS)(
+    return _per_shard(impl, mesh, (_HEADS, kv_specs(cache.quantized), P(), P()), _HEADS)(
         q, cache, layer, md)

@@ -327,7 +327,7 @@ async def create_completion(request: Request, req: CompletionRequest, model: str
 async def create_chat_completion(request: Request, req: ChatCompletionRequest, model: str,
                                  engine: AsyncEngine, tracker: RequestTracker) -> Response:
     params = req.to_sampling_params()
-    structured_param = req.structured()[1]
+    structured_param = req.structured_field
     extra = dict(req.chat_template_kwargs or {})
     parser = None
     try:

@@ -67,11 +67,14 @@ class _Request(BaseModel):
         None, description="Constrain the output (vLLM extension): json, json_object, regex, "
                           "choice or grammar.")
 
-    def structured(self) -> tuple[StructuredOutputsParams | None, str]:
-        """The grammar the output follows, and the request field it came from."""
-        if self.structured_outputs is None:
-            return None, "structured_outputs"
-        return self.structured_outputs.params(), "structured_outputs"
+    @property
+    def structured_field(self) -> str:
+        """The request field that constrains the output (what a grammar error names)."""
+        return "structured_outputs"
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The grammar the output follows."""
+        return None if self.structured_outputs is None else self.structured_outputs.params()
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
@@ -89,7 +92,7 @@ class _Request(BaseModel):
                                                    else self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             n=self.n, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self.structured()[0])
+            structured_outputs=self.structured())
 
     @property
     def include_usage(self) -> bool:
@@ -243,22 +246,29 @@ class ChatCompletionRequest(_Request):
             return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
         return list(self.tools)
 
-    def structured(self) -> tuple[StructuredOutputsParams | None, str]:
+    @property
+    def structured_field(self) -> str:
         fmt = self.response_format
-        if fmt is None or fmt.type == "text":
+        return "structured_outputs" if fmt is None or fmt.type == "text" else "response_format"
+
+    def structured(self) -> StructuredOutputsParams | None:
+        if self.structured_field == "structured_outputs":
             return super().structured()
         if self.structured_outputs is not None:
             raise SamplingParamsError("response_format", "response_format and "
                                       "structured_outputs cannot both constrain the output")
+        fmt = self.response_format
         if fmt.type == "json_object":
-            return StructuredOutputsParams(json_object=True), "response_format"
+            return StructuredOutputsParams(json_object=True)
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise SamplingParamsError("response_format", "response_format json_schema needs "
                                       "json_schema.schema")
-        return StructuredOutputsParams(json=fmt.json_schema.schema_), "response_format"
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.tool_mode in ("required", "named") and self.structured()[0] is not None:
+        constrained = (self.structured_outputs is not None
+                       or self.structured_field != "structured_outputs")
+        if self.tool_mode in ("required", "named") and constrained:
             raise SamplingParamsError("tool_choice", f"tool_choice {self.tool_mode!r} constrains "
                                       f"the output already; drop response_format / "
                                       f"structured_outputs")
