@@ -46,7 +46,8 @@ from engine.device import size_kv
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, StepResult
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from models.llama import param_specs, weight
+from models.llama import weight
+from models.registry import param_specs
 from ops.attention import BACKENDS, KV_CACHE_DTYPES
 from ops.quantization import CHOICES as QUANTIZATION_CHOICES
 from ops.quantization import linear

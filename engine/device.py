@@ -44,8 +44,8 @@ from jax.experimental import serialize_executable
 
 from engine.config import EngineConfig
 from models.default_model import user_cache_dir
-from models.llama import param_specs
 from models.loader import load_config, resolve_dtype
+from models.registry import param_specs
 from models.sharding import sharded_config
 from ops.attention import kv_token_bytes, resolve_kv_dtype
 

@@ -1,4 +1,7 @@
-"""ModelConfig: the shape of a Llama-family decoder, from HF config.json or GGUF metadata."""
+"""ModelConfig: the shape of a decoder, from HF config.json or GGUF metadata.
+
+The fields every family shares are read here; a family's own keys are read by its module
+(`config_fields`, found through models/registry.py)."""
 
 from __future__ import annotations
 
@@ -7,20 +10,21 @@ import json
 from pathlib import Path
 from typing import Any
 
-# HF `architectures` entries this decoder implements (all are Llama-shaped).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-# GGUF `general.architecture` values and the HF architecture they mean.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+from models import registry
+
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's `layer_types` values
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3 style frequency scaling (`rope_type: llama3`)."""
+    """Frequency scaling: Llama 3's (`rope_type: llama3`) or linear (every frequency divided
+    by `factor`: Gemma 3's global layers)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    kind: str = "llama3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +46,11 @@ class ModelConfig:
     # Per-frequency divisors as llama.cpp stores them (`rope_freqs.weight`, Llama 3.1 GGUFs).
     rope_freq_factors: tuple[float, ...] | None = None
     sliding_window: int | None = None
+    # Per layer, HF's "sliding_attention" or "full_attention" (Gemma 3: five sliding layers
+    # to one full); None: every layer alike, windowed when `sliding_window` is set.
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers, if their own
+    attention_scale: float | None = None   # softmax scale; None: head_dim ** -0.5
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -56,10 +65,26 @@ class ModelConfig:
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
                              f"expected head_dim / 2 = {self.head_dim // 2}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or set(self.layer_types) - {SLIDING, FULL}:
+                raise ValueError(f"layer_types must give {SLIDING!r} or {FULL!r} for each of "
+                                 f"the {self.num_layers} layers, got {self.layer_types}")
+            if SLIDING in self.layer_types and not self.sliding_window:
+                raise ValueError("sliding layers need a sliding_window")
 
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def sm_scale(self) -> float:
+        return self.attention_scale or self.head_dim ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of one layer (None: the whole context)."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
     # ---- constructors -------------------------------------------------------------
 
@@ -67,9 +92,7 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        family = registry.module(arch)  # UnsupportedArchitecture (a ValueError) if unknown
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         rope_params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
@@ -78,7 +101,7 @@ class ModelConfig:
         bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch ==
                                                       "MistralForCausalLM") else None
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -92,9 +115,10 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bias,
-            rope_scaling=_rope_scaling(rope_params),
+            rope_scaling=rope_scaling_from(rope_params),
             sliding_window=window,
         )
+        return cls(**(fields | family.config_fields(hf=cfg)))
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
@@ -110,9 +134,8 @@ class ModelConfig:
     def from_gguf_metadata(cls, meta: dict[str, Any], tensor_names: set[str],
                            rope_freq_factors: tuple[float, ...] | None = None) -> ModelConfig:
         arch = meta.get("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
-            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
-                             f"{', '.join(GGUF_ARCHITECTURES)}")
+        _, hf_arch = registry.gguf_family(arch)  # UnsupportedArchitecture if unknown
+        family = registry.module(hf_arch)
 
         def get(key, default=None):
             value = meta.get(f"{arch}.{key}", default)
@@ -123,11 +146,11 @@ class ModelConfig:
         hidden = get("embedding_length")
         num_heads = get("attention.head_count")
         vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
-        if meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
-            raise ValueError(f"unsupported GGUF rope scaling "
-                             f"{meta[f'{arch}.rope.scaling.type']!r}")
-        return cls(
-            architecture=GGUF_ARCHITECTURES[arch],
+        scaling = meta.get(f"{arch}.rope.scaling.type")
+        if scaling not in (None, "none", "linear"):
+            raise ValueError(f"unsupported GGUF rope scaling {scaling!r}")
+        fields = dict(
+            architecture=hf_arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length"),
@@ -141,16 +164,21 @@ class ModelConfig:
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             rope_freq_factors=rope_freq_factors,
+            rope_scaling=(RopeScaling(float(get("rope.scaling.factor")), kind="linear")
+                          if scaling == "linear" else None),
             sliding_window=None,
         )
+        return cls(**(fields | family.config_fields(gguf=meta)))
 
 
-def _rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
+def rope_scaling_from(params: dict[str, Any]) -> RopeScaling | None:
     kind = params.get("rope_type", params.get("type"))
     if kind in (None, "default"):
         return None
+    if kind == "linear":
+        return RopeScaling(factor=float(params["factor"]), kind="linear")
     if kind != "llama3":
-        raise ValueError(f"unsupported rope scaling {kind!r} (supported: llama3)")
+        raise ValueError(f"unsupported rope scaling {kind!r} (supported: llama3, linear)")
     return RopeScaling(
         factor=float(params["factor"]),
         low_freq_factor=float(params["low_freq_factor"]),

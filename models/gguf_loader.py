@@ -15,8 +15,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from models import registry
 from models.config import ModelConfig
 from models.gguf_file import GGUFError, open_gguf, read_metadata
+from models.registry import model_class
 from models.weights import WeightError, assemble_params, hf_tensor_rules, quant_plan
 from ops.quantization import QuantFormat
 
@@ -32,29 +34,16 @@ _GLOBAL = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, layer_names: dict[str, str]) -> str | None:
+    """llama.cpp's name -> HF's; `layer_names`: the family's (`Model.gguf_layer_names`)."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
     m = _BLOCK.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER:
-        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
     return None
 
 
@@ -102,16 +91,18 @@ def load_gguf_params(path: str | Path, cfg: ModelConfig, dtype,
                      quantization: str | None = None) -> tuple[dict, dict]:
     """(parameters on the host, the quantization plan: models/weights.py quant_plan)."""
     reader = open_gguf(path)
-    permuted = cfg.architecture == "LlamaForCausalLM"  # llama.cpp permutes Q/K for llama only
+    family = model_class(cfg.architecture)
+    layer_names = family.gguf_layer_names()
+    permuted = cfg.architecture in registry.family(cfg.architecture).gguf_permuted_qk
     rules = hf_tensor_rules(cfg)
     stored: dict[str, set] = {}
     for tensor in reader.tensors:
-        rule = rules.get(hf_name(tensor.name) or "")
+        rule = rules.get(hf_name(tensor.name, layer_names) or "")
         if rule is not None:
             stored.setdefault(rule.target, set()).add(KEPT.get(tensor.tensor_type, (None,))[0])
     quant = quant_plan(cfg, quantization, stored)
 
-    def loader(tensor, target):
+    def loader(tensor, name, target):
         def load():
             shape = tuple(reversed(tensor.shape))
             raw = reader.raw(tensor)
@@ -136,17 +127,17 @@ def load_gguf_params(path: str | Path, cfg: ModelConfig, dtype,
             if heads is not None:
                 w = ({k: unpermute_rows(v, heads) for k, v in w.items()} if isinstance(w, dict)
                      else unpermute_rows(w, heads))
-            return w
+            return w if isinstance(w, dict) else family.from_gguf(name, w)
         return load
 
     items = []
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, layer_names)
         if name is None:
             if tensor.name == "rope_freqs.weight":
                 continue
             raise WeightError(f"{path}: unexpected tensor {tensor.name!r}")
         rule = rules.get(name)
-        items.append((name, tensor.name, loader(tensor, rule.target if rule else None)))
+        items.append((name, tensor.name, loader(tensor, name, rule.target if rule else None)))
     return assemble_params(cfg, items, source=str(path), dtype=dtype, quant=quant,
                            total=len(items)), quant

@@ -1,16 +1,21 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in Flax NNX.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in Flax NNX, and the base
+class of the other families (models/registry.py).
 
 Every parameter is described once in `param_specs` (shape, logical axes, init);
 the module, the abstract shapes used by the loaders and the weight-name maps all
 derive from that table. Layers are stacked on a leading axis and run under
-`lax.scan`, so compile time does not grow with depth. The forward pass is one
-ragged batch of tokens over the paged KV cache (see ops/attention.py).
+`lax.scan`, so compile time does not grow with depth; layers of different kinds
+(Gemma 3's sliding and full ones) are scanned a period of kinds at a time. The forward
+pass is one ragged batch of tokens over the paged KV cache (see ops/attention.py).
+
+A family differs from Llama by overriding the class methods that describe its
+parameters and tensor names, and the steps of `layer` (`qk_norm`, `mlp`, or `layer`
+itself); shared layers stay here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +32,22 @@ from ops.attention import (
 )
 from ops.quantization import SCALE_DTYPE, QuantFormat, embedding, linear
 
+# llama.cpp's tensor names within `blk.{i}.` -> HF's within `model.layers.{i}.` (Llama).
+_GGUF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
@@ -41,45 +62,6 @@ class ParamSpec:
 # faster on it than on [in, out] and no slower at more rows (docs/performance.md).
 QUANTIZABLE = ("embed", "lm_head", "layers.wq", "layers.wk", "layers.wv", "layers.wo",
                "layers.w_gate", "layers.w_up", "layers.w_down")
-
-
-def param_specs(cfg: ModelConfig, quant: dict[str, QuantFormat] | None = None
-                ) -> dict[str, ParamSpec]:
-    """Our parameter names -> spec. `layers.*` carry a leading [L] axis. A matrix quantized
-    as `quant[name]` becomes `name` (integer values), `name_scale` and maybe `name_min`."""
-    L, E, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    specs = {
-        "embed": ParamSpec((V, E), ("vocab", "embed")),
-        "layers.attn_norm": ParamSpec((L, E), ("layers", "embed"), "ones"),
-        "layers.wq": ParamSpec((L, H * D, E), ("layers", "heads", "embed")),
-        "layers.wk": ParamSpec((L, K * D, E), ("layers", "kv_heads", "embed")),
-        "layers.wv": ParamSpec((L, K * D, E), ("layers", "kv_heads", "embed")),
-        "layers.wo": ParamSpec((L, E, H * D), ("layers", "embed", "heads")),
-        "layers.mlp_norm": ParamSpec((L, E), ("layers", "embed"), "ones"),
-        "layers.w_gate": ParamSpec((L, F, E), ("layers", "mlp", "embed")),
-        "layers.w_up": ParamSpec((L, F, E), ("layers", "mlp", "embed")),
-        "layers.w_down": ParamSpec((L, E, F), ("layers", "embed", "mlp")),
-        "final_norm": ParamSpec((E,), ("embed",), "ones"),
-    }
-    if cfg.attention_bias:
-        specs["layers.bq"] = ParamSpec((L, H * D), ("layers", "heads"), "zeros")
-        specs["layers.bk"] = ParamSpec((L, K * D), ("layers", "kv_heads"), "zeros")
-        specs["layers.bv"] = ParamSpec((L, K * D), ("layers", "kv_heads"), "zeros")
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = ParamSpec((V, E), ("vocab", "embed"))
-    for name, fmt in (quant or {}).items():
-        if name not in specs or name not in QUANTIZABLE:
-            raise ValueError(f"{name!r} is not a quantizable parameter of this model")
-        spec = specs[name]
-        scale_shape = (*spec.shape[:-1], fmt.scale_columns(spec.shape[-1]))
-        specs[name] = dataclasses.replace(spec, init="zeros", dtype=fmt.storage_dtype())
-        # Group scales split with their inputs; one scale per row is the same on every shard.
-        axes = spec.axes if fmt.group else (*spec.axes[:-1], "row_scale")
-        specs[name + "_scale"] = ParamSpec(scale_shape, axes, "ones", SCALE_DTYPE)
-        if fmt.has_min:
-            specs[name + "_min"] = ParamSpec(scale_shape, axes, "zeros", SCALE_DTYPE)
-    return specs
 
 
 def _init(spec: ParamSpec, key, dtype):
@@ -110,6 +92,91 @@ class _Stack(nnx.Module):
 
 
 class Llama(nnx.Module):
+    # ---- what the loaders ask of a family (class methods: no instance needed) ---------
+
+    @classmethod
+    def float_specs(cls, cfg: ModelConfig) -> dict[str, ParamSpec]:
+        """Our parameter names -> spec, every matrix in float. `layers.*` carry a leading
+        [L] axis."""
+        L, E, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        specs = {
+            "embed": ParamSpec((V, E), ("vocab", "embed")),
+            "layers.attn_norm": ParamSpec((L, E), ("layers", "embed"), "ones"),
+            "layers.wq": ParamSpec((L, H * D, E), ("layers", "heads", "embed")),
+            "layers.wk": ParamSpec((L, K * D, E), ("layers", "kv_heads", "embed")),
+            "layers.wv": ParamSpec((L, K * D, E), ("layers", "kv_heads", "embed")),
+            "layers.wo": ParamSpec((L, E, H * D), ("layers", "embed", "heads")),
+            "layers.mlp_norm": ParamSpec((L, E), ("layers", "embed"), "ones"),
+            "layers.w_gate": ParamSpec((L, F, E), ("layers", "mlp", "embed")),
+            "layers.w_up": ParamSpec((L, F, E), ("layers", "mlp", "embed")),
+            "layers.w_down": ParamSpec((L, E, F), ("layers", "embed", "mlp")),
+            "final_norm": ParamSpec((E,), ("embed",), "ones"),
+        }
+        if cfg.attention_bias:
+            specs["layers.bq"] = ParamSpec((L, H * D), ("layers", "heads"), "zeros")
+            specs["layers.bk"] = ParamSpec((L, K * D), ("layers", "kv_heads"), "zeros")
+            specs["layers.bv"] = ParamSpec((L, K * D), ("layers", "kv_heads"), "zeros")
+        if not cfg.tie_word_embeddings:
+            specs["lm_head"] = ParamSpec((V, E), ("vocab", "embed"))
+        return specs
+
+    @classmethod
+    def param_specs(cls, cfg: ModelConfig, quant: dict[str, QuantFormat] | None = None
+                    ) -> dict[str, ParamSpec]:
+        """`float_specs`, where a matrix quantized as `quant[name]` becomes `name` (integer
+        values), `name_scale` and maybe `name_min`."""
+        specs = cls.float_specs(cfg)
+        for name, fmt in (quant or {}).items():
+            if name not in specs or name not in QUANTIZABLE:
+                raise ValueError(f"{name!r} is not a quantizable parameter of this model")
+            spec = specs[name]
+            scale_shape = (*spec.shape[:-1], fmt.scale_columns(spec.shape[-1]))
+            specs[name] = dataclasses.replace(spec, init="zeros", dtype=fmt.storage_dtype())
+            # Group scales split with their inputs; one scale per row is the same on every shard.
+            axes = spec.axes if fmt.group else (*spec.axes[:-1], "row_scale")
+            specs[name + "_scale"] = ParamSpec(scale_shape, axes, "ones", SCALE_DTYPE)
+            if fmt.has_min:
+                specs[name + "_min"] = ParamSpec(scale_shape, axes, "zeros", SCALE_DTYPE)
+        return specs
+
+    @classmethod
+    def layer_tensors(cls, cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """HF tensor name within `model.layers.{i}.` -> (our layer parameter, shape)."""
+        E, F = cfg.hidden_size, cfg.intermediate_size
+        H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        tensors = {
+            "input_layernorm.weight": ("attn_norm", (E,)),
+            "self_attn.q_proj.weight": ("wq", (H * D, E)),
+            "self_attn.k_proj.weight": ("wk", (K * D, E)),
+            "self_attn.v_proj.weight": ("wv", (K * D, E)),
+            "self_attn.o_proj.weight": ("wo", (E, H * D)),
+            "post_attention_layernorm.weight": ("mlp_norm", (E,)),
+            "mlp.gate_proj.weight": ("w_gate", (F, E)),
+            "mlp.up_proj.weight": ("w_up", (F, E)),
+            "mlp.down_proj.weight": ("w_down", (E, F)),
+        }
+        if cfg.attention_bias:
+            tensors |= {
+                "self_attn.q_proj.bias": ("bq", (H * D,)),
+                "self_attn.k_proj.bias": ("bk", (K * D,)),
+                "self_attn.v_proj.bias": ("bv", (K * D,)),
+            }
+        return tensors
+
+    @classmethod
+    def gguf_layer_names(cls) -> dict[str, str]:
+        """llama.cpp's tensor name within `blk.{i}.` -> HF's within `model.layers.{i}.`."""
+        return dict(_GGUF_LAYER)
+
+    @classmethod
+    def from_gguf(cls, hf_name: str, w):
+        """A tensor as llama.cpp's converter stored it -> as HF has it (float arrays only;
+        quantized blocks pass through `from_gguf` only if the family changes nothing)."""
+        return w
+
+    # ---- the module --------------------------------------------------------------------
+
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_backend: str = "reference", mesh=None,
                  quant: dict[str, QuantFormat] | None = None):
@@ -119,7 +186,7 @@ class Llama(nnx.Module):
         self.attention_backend = resolve_backend(attention_backend)  # "auto" -> the platform's
         self.mesh = mesh  # a tensor-parallel mesh (models/sharding.py), or None
         params = {name: nnx.Param(_init(spec, rngs.params(), dtype))
-                  for name, spec in param_specs(cfg, quant).items()}
+                  for name, spec in self.param_specs(cfg, quant).items()}
         self.top_names = tuple(n for n in params if not n.startswith("layers."))
         for name in self.top_names:  # embed, final_norm, lm_head (and their quantization parts)
             setattr(self, name, params.pop(name))
@@ -146,39 +213,92 @@ class Llama(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:  # final-normed states [T or N, E]
         """The model body: embeddings and every layer, updating the cache."""
         cfg = self.cfg
-        T, H, K, D = tokens.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         top = self.top_params()
-        x = embedding(weight(top, "embed"), tokens, self.dtype)  # [T, E]
-        inv_freq = rope_inv_freq(cfg)
+        x = self.embed_tokens(top, tokens)  # [T, E]
         layer_params = nnx.to_pure_dict(nnx.state(self.layers))
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        kinds = tuple(LayerKind(cfg.layer_window(i), cfg.rope_local_theta is not None
+                                and cfg.layer_window(i) is not None)
+                      for i in range(cfg.num_layers))
+        step = _Step(positions, md, {kind: rope_inv_freq(cfg, kind.local_rope)
+                                     for kind in set(kinds)})
+        period = _period(kinds)
 
-        def layer(carry, xs):
-            x, cache = carry
-            p, idx = xs
-            h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            lin = functools.partial(linear, chunked=self.mesh is None)
-            q, k, v = (lin(h, weight(p, w)) for w in ("wq", "wk", "wv"))
-            if cfg.attention_bias:
-                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-            q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
-            q = apply_rope(q, positions, inv_freq)
-            k = apply_rope(k, positions, inv_freq)
-            cache = write_kv(cache, idx, k, v, md.slot_mapping, mesh=self.mesh)
-            attn = ragged_paged_attention(
-                q, cache, idx, md, sm_scale=cfg.head_dim ** -0.5,
-                sliding_window=cfg.sliding_window, backend=self.attention_backend,
-                mesh=self.mesh)
-            x = x + lin(attn.reshape(T, H * D), weight(p, "wo"))
-            h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-            gate = jax.nn.silu(lin(h, weight(p, "w_gate")))
-            x = x + lin(gate * lin(h, weight(p, "w_up")), weight(p, "w_down"))
-            return (x, cache), None
+        if period == 1:
+            def layer(carry, xs):
+                p, idx = xs
+                return self.layer(*carry, p, idx, kinds[0], step), None
 
-        (x, cache), _ = jax.lax.scan(layer, (x, cache), (layer_params, layer_ids))
+            layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+            (x, cache), _ = jax.lax.scan(layer, (x, cache), (layer_params, layer_ids))
+        else:
+            # A period of layer kinds per iteration, each layer with its kind's static
+            # window and RoPE; the layers past the last whole period follow the loop.
+            def at(idx):
+                return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, False),
+                                    layer_params)
+
+            def group(carry, g):
+                for j in range(period):
+                    idx = g * period + j
+                    carry = self.layer(*carry, at(idx), idx, kinds[j], step)
+                return carry, None
+
+            groups = cfg.num_layers // period
+            (x, cache), _ = jax.lax.scan(group, (x, cache), jnp.arange(groups, dtype=jnp.int32))
+            for idx in range(groups * period, cfg.num_layers):
+                x, cache = self.layer(x, cache, at(idx), jnp.int32(idx), kinds[idx], step)
         if logits_indices is not None:
             x = x[logits_indices]
-        return rms_norm(x, top["final_norm"], self.cfg.rms_norm_eps), cache
+        return self.norm(x, top["final_norm"]), cache
+
+    # ---- the steps a family may override -----------------------------------------------
+
+    def embed_tokens(self, top: dict, tokens: jax.Array) -> jax.Array:
+        return embedding(weight(top, "embed"), tokens, self.dtype)
+
+    def norm(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        return rms_norm(x, w, self.cfg.rms_norm_eps)
+
+    def layer(self, x, cache, p, idx, kind: LayerKind, step: _Step):
+        """One decoder layer: (x, cache) -> (x, cache)."""
+        attn, cache = self.attention(self.norm(x, p["attn_norm"]), cache, p, idx, kind, step)
+        x = x + attn
+        return x + self.mlp(self.norm(x, p["mlp_norm"]), p), cache
+
+    def qk_norm(self, q: jax.Array, k: jax.Array, p: dict):
+        """[T, H, D] and [T, K, D] before RoPE (Llama: nothing)."""
+        return q, k
+
+    def attention(self, h, cache, p, idx, kind: LayerKind, step: _Step):
+        """Self-attention over the paged cache, output projection included."""
+        cfg = self.cfg
+        T, H, K, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        lin = self.linear
+        q, k, v = (lin(h, weight(p, w)) for w in ("wq", "wk", "wv"))
+        if cfg.attention_bias:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
+        q, k = self.qk_norm(q, k, p)
+        inv_freq = step.inv_freq[kind]
+        q = apply_rope(q, step.positions, inv_freq)
+        k = apply_rope(k, step.positions, inv_freq)
+        cache = write_kv(cache, idx, k, v, step.md.slot_mapping, mesh=self.mesh)
+        attn = ragged_paged_attention(
+            q, cache, idx, step.md, sm_scale=cfg.sm_scale, sliding_window=kind.window,
+            backend=self.attention_backend, mesh=self.mesh)
+        return lin(attn.reshape(T, H * D), weight(p, "wo")), cache
+
+    def mlp(self, h, p):
+        gate = self.activation(self.linear(h, weight(p, "w_gate")))
+        return self.linear(gate * self.linear(h, weight(p, "w_up")), weight(p, "w_down"))
+
+    def activation(self, x):
+        return jax.nn.silu(x)
+
+    def linear(self, x, w):
+        return linear(x, w, chunked=self.mesh is None)
+
+    # ---- the head ----------------------------------------------------------------------
 
     def logits(self, x: jax.Array) -> jax.Array:  # [N, E] final-normed -> [N, V] float32
         """The LM head."""
@@ -189,6 +309,37 @@ class Llama(nnx.Module):
     def top_params(self) -> dict:
         """The parameters outside the layer stack (embeddings, final norm, LM head)."""
         return {name: getattr(self, name)[...] for name in self.top_names}
+
+
+Model = Llama  # what models/registry.py asks a family module for
+
+
+def config_fields(hf: dict | None = None, gguf: dict | None = None) -> dict:
+    """The family's own ModelConfig fields: none beyond the shared ones."""
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """What a layer's attention needs as static values: its window and its RoPE table."""
+
+    window: int | None
+    local_rope: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """Per call, what every layer reads: positions, metadata, RoPE tables by layer kind."""
+
+    positions: jax.Array
+    md: AttentionMetadata
+    inv_freq: dict
+
+
+def _period(kinds: tuple) -> int:
+    """The shortest p with kinds[i] == kinds[i % p] for all i."""
+    return next(p for p in range(1, len(kinds) + 1)
+                if all(k == kinds[i % p] for i, k in enumerate(kinds)))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Rotary position embeddings in the HF (rotate-half) layout, with Llama 3 scaling."""
+"""Rotary position embeddings in the HF (rotate-half) layout, with Llama 3 or linear scaling."""
 
 from __future__ import annotations
 
@@ -11,16 +11,23 @@ import numpy as np
 from models.config import ModelConfig
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """[D/2] float32 inverse frequencies, computed on the host like HF does."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """[D/2] float32 inverse frequencies, computed on the host like HF does. `local`: those
+    of the sliding-window layers when they have their own base (Gemma 3), never scaled."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+    local = local and cfg.rope_local_theta is not None
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
     inv = inv.astype(np.float32)
+    if local:
+        return inv
     if cfg.rope_freq_factors is not None:  # llama.cpp's form of the same Llama 3 scaling
         return (inv / np.asarray(cfg.rope_freq_factors, np.float32)).astype(np.float32)
     s = cfg.rope_scaling
     if s is None:
         return inv
+    if s.kind == "linear":
+        return (inv / np.float32(s.factor)).astype(np.float32)
     # Llama 3: keep high frequencies, divide low ones by `factor`, blend in between.
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
-from models.llama import param_specs
+from models.registry import param_specs
 from ops.attention import TENSOR_AXIS
 
 RULES: dict[str, str | None] = {

@@ -19,8 +19,9 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
-from models.llama import QUANTIZABLE, Llama, param_specs
+from models.llama import QUANTIZABLE
 from models.progress import progress_bar
+from models.registry import model_class, param_specs
 from ops.quantization import QuantFormat, dequantize, quantize, scheme_format
 
 
@@ -36,35 +37,17 @@ class TensorRule:
 
 
 def hf_tensor_rules(cfg: ModelConfig) -> dict[str, TensorRule]:
-    E, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    E, V = cfg.hidden_size, cfg.vocab_size
     rules = {
         "model.embed_tokens.weight": TensorRule("embed", None, (V, E)),
         "model.norm.weight": TensorRule("final_norm", None, (E,)),
     }
     if not cfg.tie_word_embeddings:
         rules["lm_head.weight"] = TensorRule("lm_head", None, (V, E))
+    layer = model_class(cfg.architecture).layer_tensors(cfg)
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        layer = {
-            "input_layernorm.weight": ("attn_norm", (E,)),
-            "self_attn.q_proj.weight": ("wq", (H * D, E)),
-            "self_attn.k_proj.weight": ("wk", (K * D, E)),
-            "self_attn.v_proj.weight": ("wv", (K * D, E)),
-            "self_attn.o_proj.weight": ("wo", (E, H * D)),
-            "post_attention_layernorm.weight": ("mlp_norm", (E,)),
-            "mlp.gate_proj.weight": ("w_gate", (F, E)),
-            "mlp.up_proj.weight": ("w_up", (F, E)),
-            "mlp.down_proj.weight": ("w_down", (E, F)),
-        }
-        if cfg.attention_bias:
-            layer |= {
-                "self_attn.q_proj.bias": ("bq", (H * D,)),
-                "self_attn.k_proj.bias": ("bk", (K * D,)),
-                "self_attn.v_proj.bias": ("bv", (K * D,)),
-            }
         for name, (target, shape) in layer.items():
-            rules[p + name] = TensorRule(f"layers.{target}", i, shape)
+            rules[f"model.layers.{i}.{name}"] = TensorRule(f"layers.{target}", i, shape)
     return rules
 
 
@@ -177,9 +160,10 @@ def nest(flat: dict[str, np.ndarray]) -> dict:
 def abstract_model(cfg: ModelConfig, dtype, attention_backend: str = "reference", mesh=None,
                    quant: dict[str, QuantFormat] | None = None):
     """The model with ShapeDtypeStruct leaves: no memory, no random init."""
-    return nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0),
-                                        attention_backend=attention_backend, mesh=mesh,
-                                        quant=quant))
+    cls = model_class(cfg.architecture)
+    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0),
+                                      attention_backend=attention_backend, mesh=mesh,
+                                      quant=quant))
 
 
 def place(params: dict, shardings: dict | None) -> dict:
@@ -194,7 +178,7 @@ def place(params: dict, shardings: dict | None) -> dict:
 
 def build_model(cfg: ModelConfig, params: dict, dtype,
                 attention_backend: str = "reference", mesh=None,
-                quant: dict[str, QuantFormat] | None = None) -> Llama:
+                quant: dict[str, QuantFormat] | None = None) -> nnx.Module:
     """Put host parameters on the device(s) and bind them to a model; with a tensor-parallel
     `mesh`, `cfg` and `params` are the sharded ones (see models/sharding.py)."""
     from models.sharding import param_shardings
@@ -206,7 +190,7 @@ def build_model(cfg: ModelConfig, params: dict, dtype,
 
 
 def random_model(cfg: ModelConfig, dtype, *, seed: int = 0, attention_backend: str = "reference",
-                 mesh=None, quantization: str | None = None) -> Llama:
+                 mesh=None, quantization: str | None = None) -> nnx.Module:
     """Random weights of real shapes (benchmarks without the weights), made on the devices,
     directly in their shardings under a tensor-parallel `mesh`, and quantized there."""
     from models.sharding import param_shardings, sharded_config
@@ -216,7 +200,8 @@ def random_model(cfg: ModelConfig, dtype, *, seed: int = 0, attention_backend: s
     quant = quant_plan(run_cfg, quantization)
 
     def init():
-        flat = nnx.to_flat_state(nnx.state(Llama(run_cfg, dtype=dtype, rngs=nnx.Rngs(seed))))
+        model = model_class(run_cfg.architecture)(run_cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+        flat = nnx.to_flat_state(nnx.state(model))
         flat = {".".join(map(str, path)): v[...] for path, v in flat}
         for name, fmt in quant.items():
             parts = quantize(flat[name], fmt, xp=jnp)

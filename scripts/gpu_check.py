@@ -102,8 +102,8 @@ def environment() -> dict:
 
 
 def weight_bytes(preset: str, itemsize: int) -> int:
-    from models.llama import param_specs
     from models.presets import preset_config
+    from models.registry import param_specs
 
     return itemsize * sum(math.prod(s.shape) for s in param_specs(preset_config(preset)).values())
 

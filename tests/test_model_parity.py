@@ -36,6 +36,18 @@ CONFIGS = {
     # q/k/v biases, GQA, tied embeddings
     "qwen2-bias-tied": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2,
                                             tie_word_embeddings=True)),
+    # Qwen3: per-head q/k RMS norms, head_dim not hidden / heads
+    "qwen3-qknorm": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=24, tie_word_embeddings=True)),
+    # Gemma 3: (1 + w) norms, four per layer, GeGLU, scaled embeddings, sliding and full
+    # layers with their own RoPE bases (a window shorter than the test sequence; three
+    # layers make one period of two and one layer past it), query_pre_attn_scalar
+    "gemma3-swa": ("Gemma3TextConfig", dict(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=20, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
 }
 
 

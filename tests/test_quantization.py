@@ -119,8 +119,8 @@ def test_zero_rows_quantize_to_zero():
 
 
 def test_default_model_keeps_its_gguf_blocks(default_gguf):
-    from models.llama import param_specs
     from models.loader import load_model, weight_bytes
+    from models.registry import param_specs
 
     model = load_model(default_gguf, quantization="int8")
     quant = dict(model.quant)
