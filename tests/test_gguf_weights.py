@@ -1,8 +1,9 @@
 """GGUF weights written the way llama.cpp's converter writes them load to the same model.
 
-Tiny Llama and Qwen2 models from transformers are written as GGUF files with
-`gguf.GGUFWriter` (llama.cpp names, F16/F32 tensors, Q/K rows permuted for the
-llama architecture only, as llama.cpp does) and must give transformers' logits.
+Tiny Llama, Qwen2, Qwen3 and Gemma 3 models from transformers are written as GGUF files
+with `gguf.GGUFWriter` (llama.cpp names, F16/F32 tensors, Q/K rows permuted for the
+llama architecture only and Gemma's norms stored as w + 1, as llama.cpp does) and must
+give transformers' logits.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+GEMMA3_NAMES = NAMES | {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
 
 
@@ -70,8 +78,15 @@ def write_gguf(model, path, arch: str):
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters
+    writer.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])
     writer.add_vocab_size(cfg.vocab_size)
+    names = GEMMA3_NAMES if arch == "gemma3" else NAMES
+    if arch in ("gemma3", "qwen3"):
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    if arch == "gemma3":
+        writer.add_sliding_window(cfg.sliding_window)
     if (cfg.rope_parameters or {}).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(cfg))
     for name, p in model.state_dict().items():
@@ -86,11 +101,13 @@ def write_gguf(model, path, arch: str):
             out = "output.weight"
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            out = f"blk.{layer}.{NAMES[rest]}"
+            out = f"blk.{layer}.{names[rest]}"
             if arch == "llama" and rest.startswith("self_attn.q_proj"):
                 w = llama_cpp_permute(w, cfg.num_attention_heads)
             elif arch == "llama" and rest.startswith("self_attn.k_proj"):
                 w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1  # llama.cpp stores Gemma's norm weights as the factor itself
         # Matrices in F16 (as most GGUF files), vectors in F32.
         writer.add_tensor(out, w.astype(np.float16) if w.ndim == 2 else w.astype(np.float32))
     writer.write_header_to_file()
@@ -105,12 +122,19 @@ def write_gguf(model, path, arch: str):
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=32))),
     ("qwen2", "Qwen2Config", dict(tie_word_embeddings=True)),
+    ("qwen3", "Qwen3Config", dict(tie_word_embeddings=False, head_dim=24)),
+    # llama.cpp's gemma3 hard-codes a full layer every sixth (seven layers: one past the
+    # period), the sliding layers' RoPE base 10000, and the softmax scale head_dim ** -0.5
+    ("gemma3", "Gemma3TextConfig", dict(
+        num_hidden_layers=7, head_dim=32, sliding_window=5, query_pre_attn_scalar=32,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 ])
 def test_gguf_file_gives_transformers_logits(tmp_path, arch, config_cls, extra):
-    config = getattr(transformers, config_cls)(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        initializer_range=0.15, **extra)
+    config = getattr(transformers, config_cls)(**({
+        "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+        "initializer_range": 0.15} | extra))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -19,6 +19,7 @@ from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from models.generate import GreedyDecoder
 from models.loader import load_config, load_model
+from models.registry import param_specs
 from models.sharding import make_mesh, sharded_config
 from models.tokenizer import Tokenizer
 
@@ -31,7 +32,11 @@ TINY = {
     # 8 KV heads: split as they are at every size
     "mha": dict(num_key_value_heads=8, tie_word_embeddings=False),
     # 2 KV heads: repeated to 4 and 8 at sizes 4 and 8; q/k/v biases (Qwen2)
-    "gqa-bias": dict(num_key_value_heads=2, tie_word_embeddings=True, qwen2=True),
+    "gqa-bias": dict(num_key_value_heads=2, tie_word_embeddings=True, family="qwen2"),
+    # q/k head norms split with their heads (Qwen3)
+    "qwen3": dict(num_key_value_heads=4, tie_word_embeddings=True, family="qwen3"),
+    # one KV head repeated to every device; sliding and full layers (Gemma 3)
+    "gemma3": dict(num_key_value_heads=1, family="gemma3"),
 }
 
 
@@ -84,7 +89,8 @@ def test_each_device_holds_its_share(tiny):
     runner = ModelRunner(engine_cfg)
     state = jax.tree.leaves(runner.state)
     split = [a for a in state if not a.sharding.is_fully_replicated]
-    assert {a.shape for a in split} >= {(2, 128, 128), (256, 128)}  # [L, out, in], [V, E]
+    L, H, D = cfg.num_layers, cfg.num_heads, cfg.head_dim
+    assert {a.shape for a in split} >= {(L, H * D, 128), (256, 128)}  # wq [L, out, in], [V, E]
     for a in split + [runner.kv.k, runner.kv.v]:
         shards = a.addressable_shards
         assert len(shards) == size and len({s.device for s in shards}) == size
@@ -92,7 +98,8 @@ def test_each_device_holds_its_share(tiny):
             assert math.prod(s.data.shape) * size == a.size, (a.shape, s.data.shape)
     # Per device, the split parameters are 1/size of the model's; only norms are replicated.
     replicated = sum(a.size for a in state if a.sharding.is_fully_replicated)
-    assert replicated == cfg.hidden_size * (2 * cfg.num_layers + 1)
+    norms = [s for name, s in param_specs(cfg).items() if "norm" in name]
+    assert len(norms) >= 3 and replicated == sum(math.prod(s.shape) for s in norms)
     assert runner.kv.k.shape[3] == max(cfg.num_kv_heads, size)
 
 
