@@ -32,6 +32,7 @@ from server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from server.reasoning import ReasoningParser
 
 MAX_BODY_BYTES = 8 << 20
 MAX_HEADERS = 100
@@ -45,10 +46,11 @@ def _version() -> str:
 
 
 class Server:
-    """The state the handlers share: the engines and the metrics."""
+    """The state the handlers share: the engines, the metrics, the reasoning parser."""
 
-    def __init__(self, engines: Engines):
+    def __init__(self, engines: Engines, reasoning_parser: str | None = None):
         self.engines = engines
+        self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.metrics = ServerMetrics(engines)
         self.created = int(time.time())
 
@@ -72,7 +74,7 @@ class Server:
         req = ChatCompletionRequest.model_validate(await _json(request))
         model, engine = self.engine(req.model)
         return await create_chat_completion(request, req, model, engine,
-                                            self.metrics.tracker(model))
+                                            self.metrics.tracker(model), self.reasoning)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card(name)
@@ -146,8 +148,9 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[str] = (),
-              max_body_bytes: int = MAX_BODY_BYTES, max_headers: int = MAX_HEADERS) -> Starlette:
-    server = Server(engines)
+              max_body_bytes: int = MAX_BODY_BYTES, max_headers: int = MAX_HEADERS,
+              reasoning_parser: str | None = None) -> Starlette:
+    server = Server(engines, reasoning_parser)
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),

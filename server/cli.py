@@ -20,6 +20,7 @@ import uvicorn
 from engine.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, parse_bytes
 from engine.launch import parse_model_arg, start_engines
 from server.app import MAX_BODY_BYTES, MAX_HEADERS, build_app
+from server.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger("server")
 
@@ -89,6 +90,9 @@ def parser() -> argparse.ArgumentParser:
                    help="dispatch each step before reading the previous one's tokens (the "
                         "outputs are the same; default: on for GPU/TPU, off on CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="chat replies: text inside <think>...</think> goes to the message's "
+                        "reasoning_content, the rest to content")
     p.add_argument("--cors-origins", "--allowed-origins", dest="cors_origins", nargs="*",
                    default=[], help="origins allowed by CORS (none by default)")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("cannot start: %s", e)
         return 2
     app = build_app(engines, api_key=args.api_key, cors_origins=args.cors_origins,
-                    max_body_bytes=args.max_body_bytes, max_headers=args.max_headers)
+                    max_body_bytes=args.max_body_bytes, max_headers=args.max_headers,
+                    reasoning_parser=args.reasoning_parser)
     logger.info("Serving %s on http://%s:%d", ", ".join(engines.names()), args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -25,6 +25,7 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from server.errors import APIError, api_error
 from server.metrics import RequestTracker
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.reasoning import ReasoningParser, ReasoningStream
 from server.tool_parsers import ToolCall, ToolCallDelta, ToolParser, ToolStream, parser_for_template
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -36,9 +37,12 @@ class Generation:
     def __init__(self, chat: bool, model: str, engine: AsyncEngine, params: SamplingParams,
                  tracker: RequestTracker, echo: bool = False, include_usage: bool = False,
                  return_token_ids: bool = False, cache_salt: str | None = None,
-                 tools: ToolParser | None = None, structured_param: str = "structured_outputs"):
+                 tools: ToolParser | None = None, structured_param: str = "structured_outputs",
+                 reasoning: ReasoningParser | None = None, prompt: str = ""):
         self.chat = chat
         self.tools = tools  # parses the replies' tool calls (chat with tools offered)
+        self.reasoning = reasoning  # splits the replies' reasoning off (chat, --reasoning-parser)
+        self.prompt = prompt  # the rendered chat: whether it opens a reasoning block
         self.structured_param = structured_param  # the request field a grammar error names
         self.model = model
         self.engine = engine
@@ -53,6 +57,9 @@ class Generation:
         self.streams: list[RequestStream] = []
         self.prompt_texts: list[str] = []
         self.last: dict[int, RequestOutput] = {}
+        # Per streamed chat choice: its reasoning and its tool calls as they come.
+        self._reasoning_streams: dict[int, ReasoningStream] = {}
+        self._tool_streams: dict[int, ToolStream] = {}
 
     async def start(self, prompts: list[str | list[int]], add_special_tokens: bool) -> None:
         try:
@@ -136,12 +143,13 @@ class Generation:
         index = i * self.params.n + c.index
         if self.chat:
             message = {"role": "assistant", "content": c.text}
+            if self.reasoning is not None:  # tool calls are parsed from the content alone
+                message["reasoning_content"], message["content"] = self.reasoning.split(c.text)
             finish = _FINISH.get(c.finish_reason)
             if self.tools is not None:
-                content, calls = self.tools.parse(c.text)
+                content, calls = self.tools.parse(message["content"] or "")
                 if calls:
-                    message = {"role": "assistant", "content": content,
-                               "tool_calls": [_call(call) for call in calls]}
+                    message.update(content=content, tool_calls=[_call(call) for call in calls])
                     finish = "tool_calls"
             choice = {"index": index, "message": message,
                       "logprobs": self._chat_logprobs(c.logprobs), "finish_reason": finish}
@@ -205,7 +213,6 @@ class Generation:
     async def _events(self) -> AsyncIterator[str]:
         n = self.params.n
         finished: set[int] = set()
-        calls: dict[int, ToolStream] = {}  # per choice, with tools: its calls as they come
         try:
             if self.chat:  # the role comes first, once per choice, as OpenAI sends it
                 for index in range(len(self.streams) * n):
@@ -225,22 +232,12 @@ class Generation:
                         continue
                     logprobs = (self._chat_logprobs(lps) if self.chat
                                 else self._completion_logprobs(lps, 0)) if lps else None
-                    finish = _FINISH.get(c.finish_reason)
-                    if self.tools is not None:
-                        stream = calls.setdefault(index, self.tools.stream())
-                        text, deltas = stream.feed(c.delta)
-                        if c.finish_reason:
-                            more, last = stream.finish()
-                            text, deltas = text + more, deltas + last
-                            finish = "tool_calls" if stream.calls else finish
-                        if not (text or deltas or lps or finish):
-                            continue  # held back: maybe the start of a call
-                        content = {"content": text} if text else {}
-                        if deltas:
-                            content["tool_calls"] = [_call_delta(d) for d in deltas]
+                    if self.chat:
+                        content, finish = self._chat_delta(index, c)
+                        if not (content or lps or finish):
+                            continue  # held back: maybe the start of a tag or a call
                     else:
-                        content = ({"content": c.delta} if c.delta or not c.finish_reason else {}
-                                   ) if self.chat else c.delta
+                        content, finish = c.delta, _FINISH.get(c.finish_reason)
                     yield self._chunk(index, content, logprobs, finish, c.delta_token_ids)
                     if c.finish_reason:
                         finished.add(index)
@@ -251,6 +248,35 @@ class Generation:
         except Exception as e:  # mid-stream failure: an error event, then [DONE]
             yield _sse(api_error(e).body())
         yield "data: [DONE]\n\n"
+
+    def _chat_delta(self, index: int, c: CompletionOutput) -> tuple[dict, str | None]:
+        """A chat choice's delta for one output, and its finish_reason: reasoning split off
+        first, then tool calls parsed from the content."""
+        finish = _FINISH.get(c.finish_reason)
+        delta: dict = {}
+        text = c.delta
+        if self.reasoning is not None:
+            thinking = self._reasoning_streams.setdefault(index,
+                                                          self.reasoning.stream(self.prompt))
+            thought, text = thinking.feed(text)
+            if c.finish_reason:
+                more_thought, more = thinking.finish()
+                thought, text = thought + more_thought, text + more
+            if thought:
+                delta["reasoning_content"] = thought
+        if self.tools is not None:
+            calls = self._tool_streams.setdefault(index, self.tools.stream())
+            text, deltas = calls.feed(text)
+            if c.finish_reason:
+                more, last = calls.finish()
+                text, deltas = text + more, deltas + last
+                finish = "tool_calls" if calls.calls else finish
+            if deltas:
+                delta["tool_calls"] = [_call_delta(d) for d in deltas]
+        plain = self.reasoning is None and self.tools is None
+        if text or (plain and not c.finish_reason):  # (plain: logprobs alone come with "")
+            delta = {"content": text, **delta}
+        return delta, finish
 
     def _chunk(self, index: int, content, logprobs, finish_reason,
                token_ids: list[int] = ()) -> str:
@@ -325,7 +351,8 @@ async def create_completion(request: Request, req: CompletionRequest, model: str
 
 
 async def create_chat_completion(request: Request, req: ChatCompletionRequest, model: str,
-                                 engine: AsyncEngine, tracker: RequestTracker) -> Response:
+                                 engine: AsyncEngine, tracker: RequestTracker,
+                                 reasoning: ReasoningParser | None = None) -> Response:
     params = req.to_sampling_params()
     structured_param = req.structured_field
     extra = dict(req.chat_template_kwargs or {})
@@ -347,7 +374,8 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest, m
         structured_param = "tools"
     gen = Generation(True, model, engine, params, tracker, include_usage=req.include_usage,
                      return_token_ids=req.return_token_ids, cache_salt=req.cache_salt,
-                     tools=parser, structured_param=structured_param)
+                     tools=parser, structured_param=structured_param, reasoning=reasoning,
+                     prompt=prompt)
     # The template writes the special tokens (BOS included) itself.
     await gen.start([prompt], add_special_tokens=False)
     return gen.stream_response() if req.stream else await gen.response(request)
