@@ -75,7 +75,7 @@ def test_engine_greedy_equals_transformers_full_forward(tiny):
     assert len({tuple(r[0]) for r in refs}) == len(PROMPTS)  # the model is not degenerate
 
     outs = engine.generate(PROMPTS, p)  # 5 prompts over 4 sequences, 32-token chunks
-    for prompt, out, (want, logits) in zip(PROMPTS, outs, refs, strict=True):
+    for out, (want, logits) in zip(outs, refs, strict=True):
         _assert_greedy_like(out.outputs[0].token_ids, list(want), logits, f"{family} batched")
     # Alone, after the others: its shared 24 tokens come from the prefix cache.
     hits = engine.block_manager.prefix_cache_hits

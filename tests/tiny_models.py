@@ -10,7 +10,8 @@ CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config
 # Gemma 3's own shape: sliding and full layers (a window shorter than the tests' prompts),
 # each kind with its RoPE base, and a softmax scale other than head_dim's. Its head is
 # untied: random embeddings scaled by sqrt(hidden) and tied make greedy repeat the input.
-GEMMA3 = dict(tie_word_embeddings=False, num_hidden_layers=3, head_dim=64, sliding_window=8, query_pre_attn_scalar=24,
+GEMMA3 = dict(tie_word_embeddings=False, num_hidden_layers=3, head_dim=64, sliding_window=8,
+              query_pre_attn_scalar=24,
               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                "sliding_attention": {"rope_type": "default",
