@@ -127,7 +127,7 @@ def build_engine(args) -> LLMEngine:
                              mesh=mesh, quantization=args.quantization)
         return LLMEngine(cfg, runner=ModelRunner(cfg, model=model), tokenizer=_IdsOnly(),
                          detokenize=False)
-    from models.default_model import fetch_default_model
+    from models.known_models import fetch_default_model
 
     cfg = EngineConfig(model=args.model or str(fetch_default_model()), **common)
     # The KV pool the server would give this model (its default budget, engine.device).
@@ -179,7 +179,7 @@ class SimulatedRunner:
 
 def simulate(args) -> dict:
     """The --simulate-device-ms run: the host path's cost per step and the device's share."""
-    from models.default_model import fetch_default_model
+    from models.known_models import fetch_default_model
     from models.tokenizer import Tokenizer
 
     path = args.model or str(fetch_default_model())

@@ -43,7 +43,7 @@ import numpy as np
 from jax.experimental import serialize_executable
 
 from engine.config import EngineConfig
-from models.default_model import user_cache_dir
+from models.known_models import user_cache_dir
 from models.loader import load_config, resolve_dtype
 from models.registry import param_specs
 from models.sharding import sharded_config

@@ -14,7 +14,7 @@ from pathlib import Path
 from engine.async_engine import AsyncEngine, Engines
 from engine.config import EngineConfig
 from engine.device import size_kv
-from models.default_model import SERVED_NAME, default_model_path, fetch_default_model
+from models.known_models import KNOWN_MODELS, fetch_model, served_name
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +25,11 @@ class ModelSpec:
 
 
 def parse_model_arg(value: str | None) -> ModelSpec:
-    """`path`, `name=path`, or None for the default model (fetched if missing)."""
-    if value is None:
-        return ModelSpec(SERVED_NAME, str(fetch_default_model()))
+    """`path`, `name=path`, a known model's name (models/known_models.py: fetched if
+    missing), or None for the default model."""
+    if value is None or value in KNOWN_MODELS:
+        path = fetch_model(*([value] if value else []))
+        return ModelSpec(served_name(path), str(path))
     name, sep, path = value.partition("=")
     if not sep or "/" in name or Path(value).exists():
         name, path = "", value
@@ -35,8 +37,7 @@ def parse_model_arg(value: str | None) -> ModelSpec:
         raise FileNotFoundError(f"--model {value}: {path} does not exist")
     if not name:
         p = Path(path)
-        name = SERVED_NAME if p.resolve() == default_model_path().resolve() else (
-            p.stem if p.is_file() else p.name)
+        name = served_name(p) or (p.stem if p.is_file() else p.name)
     return ModelSpec(name, path)
 
 

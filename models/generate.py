@@ -97,8 +97,8 @@ def main(argv=None) -> int:
     import sys
 
     from models.chat_template import ChatTemplate
-    from models.default_model import fetch_default_model
     from models.detokenizer import IncrementalDetokenizer
+    from models.known_models import fetch_default_model
     from models.loader import load_model
     from models.tokenizer import Tokenizer
 

@@ -23,7 +23,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from models.default_model import user_cache_dir
+from models.known_models import user_cache_dir
 
 logger = logging.getLogger(__name__)
 _INDEX_VERSION = 1

@@ -23,8 +23,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from models.convert import convert  # noqa: E402
-from models.default_model import fetch_default_model  # noqa: E402
 from models.generate import GreedyDecoder  # noqa: E402
+from models.known_models import fetch_default_model  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
 

@@ -36,8 +36,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH",
-                   help="GGUF file, HF directory or Orbax checkpoint; repeat for several models "
-                        "(default: SmolLM2-135M-Instruct, fetched if missing)")
+                   help="GGUF file, HF directory or Orbax checkpoint, or a known model's name "
+                        "(smollm2-135m, gemma3-270m: fetched if missing); repeat for several "
+                        "models (default: SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", help="the name clients use (one model only; default: "
                                                "the file or directory name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")

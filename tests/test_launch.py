@@ -6,7 +6,7 @@ import pytest
 
 from engine import device, launch
 from engine.config import EngineConfig
-from models.default_model import SERVED_NAME
+from models.known_models import SERVED_NAME
 
 
 def test_model_arguments(default_gguf, tmp_path):

@@ -11,7 +11,7 @@ import openai
 import pytest
 from conftest import SERVER_KEY, SERVER_LIMITS
 
-from models.default_model import SERVED_NAME
+from models.known_models import SERVED_NAME
 
 MODEL = SERVED_NAME
 GREEDY = {"temperature": 0.0}

@@ -18,7 +18,7 @@ import pytest
 from conftest import SERVER_KEY
 from test_server_openai import idle, metrics, wait_for
 
-from models.default_model import SERVED_NAME
+from models.known_models import SERVED_NAME
 
 AUTH = {"Authorization": f"Bearer {SERVER_KEY}"}
 WORDS = "the sea river light keeper engine token page cache fox dog 42 café 日本".split()

