@@ -1,4 +1,5 @@
-"""Chat messages -> prompt text, with the model's own Jinja chat template.
+"""Chat messages -> prompt text, with the model's own Jinja chat template, or one of ours
+(`BUILTIN_TEMPLATES`) for a model whose files carry none.
 
 Templates come from model files, so they are untrusted code: they run in Jinja's immutable
 sandbox, set up the way transformers sets it up (trim_blocks, lstrip_blocks, loop controls,
@@ -42,6 +43,59 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 _ENV = _environment()
+
+
+# -- our own templates, by name ------------------------------------------------------------------
+# For models whose files carry no chat template (a base model's GGUF, say); the caller names one
+# (`Tokenizer.from_path(path, default_chat_template="gemma")`), the model's own always wins. Each
+# writes what the model's format needs and no more; `text` reads a message's content, a string or
+# a list of parts (the text parts, joined).
+
+_TEXT = r"""{%- macro text(content) -%}
+{%- if content is string -%}{{ content }}
+{%- elif content is not none -%}
+{%- for part in content if part.type == 'text' -%}{{ part.text }}{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+"""
+
+# Gemma: BOS, then turns `<start_of_turn>{user|model}\n{text}<end_of_turn>\n`, text trimmed. Gemma
+# has no system role: a first system message opens the first user turn, then a blank line.
+_GEMMA = _TEXT + r"""{{- bos_token -}}
+{%- set ns = namespace(prefix='') -%}
+{%- for message in messages -%}
+{%- if message.role == 'system' and loop.first -%}
+{%- set ns.prefix = text(message.content) + '\n\n' -%}
+{%- elif message.role == 'user' or message.role == 'assistant' -%}
+{{- '<start_of_turn>' + ('user' if message.role == 'user' else 'model') + '\n' -}}
+{%- if message.role == 'user' -%}{{- ns.prefix -}}{%- set ns.prefix = '' -%}{%- endif -%}
+{{- text(message.content) | trim -}}
+{{- '<end_of_turn>\n' -}}
+{%- else -%}
+{{- raise_exception("the gemma chat template takes user and assistant messages, and a system "
+                    "message only first; got role '" + message.role + "'") -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
+"""
+
+# ChatML (Qwen, SmolLM2 and many others): `<|im_start|>{role}\n{text}<|im_end|>\n`, no BOS.
+_CHATML = _TEXT + r"""{%- for message in messages -%}
+{{- '<|im_start|>' + message.role + '\n' + text(message.content) + '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
+"""
+
+BUILTIN_TEMPLATES: dict[str, str] = {"gemma": _GEMMA, "chatml": _CHATML}
+
+
+def builtin_template(name: str) -> str:
+    """The source of our template `name` (a key of BUILTIN_TEMPLATES)."""
+    try:
+        return BUILTIN_TEMPLATES[name]
+    except KeyError:
+        raise ValueError(f"no built-in chat template {name!r} "
+                         f"(known: {', '.join(sorted(BUILTIN_TEMPLATES))})") from None
 
 
 class ChatTemplate:

@@ -58,14 +58,15 @@ def byte_alphabet() -> dict[int, str]:
 
 
 def _add_vocab_tokens(hf: HFTokenizer, tokens: list[str], types: list[int],
-                      special_types: tuple[int, ...]) -> None:
+                      special_types: tuple[int, ...], skip: frozenset[int] = frozenset()) -> None:
     # Control tokens (and unk) are special: skipped by decode(skip_special_tokens=True). Both they
     # and user-defined tokens are matched whole in the text, never cut by BPE. They are already in
     # the model vocabulary, so they keep their ids.
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
                            for t, k in zip(tokens, types, strict=True) if k in special_types])
     hf.add_tokens([AddedToken(t, special=False, normalized=False)
-                   for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED])
+                   for i, (t, k) in enumerate(zip(tokens, types, strict=True))
+                   if k == USER_DEFINED and i not in skip])
 
 
 def byte_level_bpe(tokens: list[str], types: list[int], merges: list[str] | None,
@@ -98,8 +99,9 @@ def byte_level_bpe(tokens: list[str], types: list[int], merges: list[str] | None
 def sentencepiece_bpe(tokens: list[str], types: list[int], merges: list[str] | None,
                        scores: list[float] | None, unk_id: int | None,
                        add_space_prefix: bool) -> HFTokenizer:
-    """SentencePiece BPE as llama.cpp stores it (Llama 2, Mistral): '▁' for space, <0xNN> tokens
-    for bytes outside the vocabulary, and scores instead of merges."""
+    """SentencePiece BPE as llama.cpp stores it (Llama 2, Mistral, Gemma): '▁' for space, <0xNN>
+    tokens for bytes outside the vocabulary, and scores instead of merges."""
+    tokens, runs = respell_space_runs(tokens)
     vocab: dict[str, int] = {}
     for i, token in enumerate(tokens):
         vocab.setdefault(token, i)
@@ -112,7 +114,8 @@ def sentencepiece_bpe(tokens: list[str], types: list[int], merges: list[str] | N
     unk = tokens[unk_id] if unk_id is not None else None
     hf = HFTokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
     # Like sentencepiece's dummy prefix: a space before every piece of text, even one that starts
-    # with a space ("  hi" -> "▁▁▁hi"), which the Metaspace pre-tokenizer would not do.
+    # with a space ("  hi" -> "▁▁▁hi"), which the Metaspace pre-tokenizer would not do. Gemma has
+    # none (add_space_prefix false): "hi" is "hi", " hi" is "▁hi".
     replace = normalizers.Replace(" ", "▁")
     hf.normalizer = (normalizers.Sequence([normalizers.Prepend("▁"), replace])
                      if add_space_prefix else replace)
@@ -120,22 +123,41 @@ def sentencepiece_bpe(tokens: list[str], types: list[int], merges: list[str] | N
     if add_space_prefix:
         steps.append(decoders.Strip(" ", 1, 0))
     hf.decoder = decoders.Sequence(steps)
-    _add_vocab_tokens(hf, tokens, types, (CONTROL, UNKNOWN))
+    _add_vocab_tokens(hf, tokens, types, (CONTROL, UNKNOWN), skip=runs)
     return hf
+
+
+def respell_space_runs(tokens: list[str]) -> tuple[list[str], frozenset[int]]:
+    """Gemma's files store its whitespace-run tokens ("  ", "   ", ...) with real spaces, where the
+    pipeline sees '▁'. Spelt '▁▁', '▁▁▁', ... they become pieces that BPE builds out of the text's
+    spaces, as transformers does for `gguf_file=`, rather than tokens matched whole in the raw
+    text, longest first (llama.cpp's way with user-defined tokens). The two differ on a run longer
+    than the longest such token: 40 spaces are 16 + 24 here, 31 + 9 matched longest first."""
+    runs = frozenset(i for i, t in enumerate(tokens) if t and t.count(" ") == len(t))
+    if runs:
+        tokens = list(tokens)
+        for i in runs:
+            tokens[i] = "▁" * len(tokens[i])
+    return tokens, runs
 
 
 def merges_from_scores(tokens: list[str], types: list[int],
                        scores: list[float]) -> list[tuple[str, str]]:
     """The merges a sentencepiece BPE vocabulary implies. Sentencepiece joins the adjacent pair
     whose concatenation is the best-scoring piece; BPE applies the lowest-ranked merge first. So
-    every split of a piece into two pieces becomes a merge, ranked by the piece's score."""
+    every split of a piece into two pieces becomes a merge, ranked by the piece's score.
+
+    Where the normal pieces' scores fall with their position in the file (sentencepiece BPE
+    vocabularies: Llama 2, Gemma), the position ranks them instead: the same order on them, and
+    it places the pieces whose score is a placeholder too (Gemma's whitespace runs score -1000
+    but come first), as transformers does for Gemma. The splits of one piece go longer left part
+    first, as in transformers (sentencepiece takes the leftmost of two such pairs)."""
     pieces = {t: i for i, (t, k) in enumerate(zip(tokens, types, strict=True))
               if k in (NORMAL, USER_DEFINED)}
-    ranked = []
-    for token, i in pieces.items():
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in pieces and right in pieces:
-                ranked.append((-scores[i], i, cut, left, right))
-    ranked.sort()
-    return [(left, right) for *_, left, right in ranked]
+    normal = [scores[i] for i, k in enumerate(types) if k == NORMAL]
+    if all(a >= b for a, b in zip(normal, normal[1:], strict=False)):
+        order = sorted(pieces, key=pieces.__getitem__)
+    else:
+        order = sorted(pieces, key=lambda t: (-scores[pieces[t]], pieces[t]))
+    return [(token[:cut], token[cut:]) for token in order for cut in range(len(token) - 1, 0, -1)
+            if token[:cut] in pieces and token[cut:] in pieces]

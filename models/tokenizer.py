@@ -4,10 +4,12 @@
 - a directory with only `tokenizer.model`: the sentencepiece processor runs it;
 - a GGUF file: we rebuild the tokenizer from the vocabulary llama.cpp stored in the metadata, as a
   `tokenizers` pipeline. A byte-level ('gpt2') vocabulary gives the ids transformers gives for
-  `gguf_file=`; a sentencepiece ('llama') one gives the ids of sentencepiece itself.
+  `gguf_file=`; a sentencepiece ('llama') one gives the ids of sentencepiece itself (and of
+  transformers for Gemma's, see models/gguf_vocab.py).
 
 Whatever the source, `Tokenizer` adds BOS/EOS itself, from one pair of flags, so the rule that
-decides a prompt's first token is visible here rather than hidden in a post-processor.
+decides a prompt's first token is visible here rather than hidden in a post-processor. A model whose
+files carry no chat template can be given one of ours by name (`default_chat_template`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from models.chat_template import builtin_template
 from models.gguf_file import read_metadata
 from models.gguf_vocab import NORMAL, VocabError, byte_level_bpe, sentencepiece_bpe
 
@@ -72,21 +75,24 @@ class Tokenizer:
     # -- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def from_path(cls, path: str | Path) -> Tokenizer:
+    def from_path(cls, path: str | Path, default_chat_template: str | None = None) -> Tokenizer:
+        """`default_chat_template` names one of our templates (models.chat_template.
+        BUILTIN_TEMPLATES), used only when the model's files carry no chat template."""
         path = Path(path)
         if path.is_file() and path.suffix == ".gguf":
-            return cls.from_gguf(path)
+            return cls.from_gguf(path, default_chat_template)
         if path.is_dir():
             if (path / "tokenizer.json").is_file():
-                return cls._from_hf_dir(path)
+                return cls._from_hf_dir(path, default_chat_template)
             if (path / "tokenizer.model").is_file():
-                return cls._from_sentencepiece_dir(path)
+                return cls._from_sentencepiece_dir(path, default_chat_template)
         raise TokenizerError(
             f"{path}: no tokenizer found (expected a .gguf file, or a directory containing "
             f"tokenizer.json or tokenizer.model)")
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> Tokenizer:
+    def from_gguf(cls, path: str | Path, default_chat_template: str | None = None) -> Tokenizer:
+        fallback = _builtin(default_chat_template)
         meta = read_metadata(path)
         kind = meta.get("tokenizer.ggml.model")
         tokens = meta.get("tokenizer.ggml.tokens")
@@ -119,10 +125,11 @@ class Tokenizer:
                    # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
                    add_bos_token=meta.get("tokenizer.ggml.add_bos_token", kind == "llama"),
                    add_eos_token=meta.get("tokenizer.ggml.add_eos_token", False),
-                   chat_template=meta.get("tokenizer.chat_template"))
+                   chat_template=meta.get("tokenizer.chat_template") or fallback)
 
     @classmethod
-    def _from_hf_dir(cls, path: Path) -> Tokenizer:
+    def _from_hf_dir(cls, path: Path, default_chat_template: str | None) -> Tokenizer:
+        fallback = _builtin(default_chat_template)
         try:
             hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as e:
@@ -140,12 +147,13 @@ class Tokenizer:
         return cls(backend, source=str(path), bos_token_id=bos, eos_token_id=eos,
                    pad_token_id=cfg.token_id("pad_token", "pad_token_id"),
                    extra_eos_ids=cfg.eos_ids, add_bos_token=add_bos, add_eos_token=add_eos,
-                   chat_template=cfg.chat_template)
+                   chat_template=cfg.chat_template or fallback)
 
     @classmethod
-    def _from_sentencepiece_dir(cls, path: Path) -> Tokenizer:
+    def _from_sentencepiece_dir(cls, path: Path, default_chat_template: str | None) -> Tokenizer:
         import sentencepiece
 
+        fallback = _builtin(default_chat_template)
         try:
             sp = sentencepiece.SentencePieceProcessor(model_file=str(path / "tokenizer.model"))
         except Exception as e:
@@ -168,7 +176,7 @@ class Tokenizer:
                    extra_eos_ids=cfg.eos_ids,
                    add_bos_token=cfg.tokenizer.get("add_bos_token", True),  # Llama's default
                    add_eos_token=cfg.tokenizer.get("add_eos_token", False),
-                   chat_template=cfg.chat_template)
+                   chat_template=cfg.chat_template or fallback)
 
     # -- use ------------------------------------------------------------------------------------
 
@@ -247,6 +255,14 @@ class Tokenizer:
 
 def _non_negative(i: int) -> int | None:
     return i if i >= 0 else None
+
+
+def _builtin(name: str | None) -> str | None:
+    # Checked before the files are read, so a wrong name fails whether or not it would be used.
+    try:
+        return None if name is None else builtin_template(name)
+    except ValueError as e:
+        raise TokenizerError(str(e)) from e
 
 
 # -- backends: encode without BOS/EOS, decode, look tokens up ------------------------------------

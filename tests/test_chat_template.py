@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from models.chat_template import ChatTemplate
-from models.tokenizer import Tokenizer
+from models.chat_template import BUILTIN_TEMPLATES, ChatTemplate, builtin_template
+from models.tokenizer import Tokenizer, TokenizerError
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 
@@ -158,3 +158,59 @@ def test_for_tokenizer_without_template(tmp_path):
 
     with pytest.raises(ValueError, match="some/model"):
         ChatTemplate.for_tokenizer(NoTemplate())
+
+
+# -- our own templates, for models whose files carry none ----------------------------------------
+
+GEMMA_CHAT = [SYSTEM, _user("  Hi there.\n"), _assistant("Hello!  "), _user("What is 2+2?")]
+
+
+def test_gemma_template_output():
+    gemma = ChatTemplate(builtin_template("gemma"), bos_token="<bos>", eos_token="<eos>")
+    # The system message opens the first user turn; the assistant is "model"; text is trimmed.
+    assert gemma.render(GEMMA_CHAT, add_generation_prompt=True) == (
+        "<bos><start_of_turn>user\nYou are terse.\n\nHi there.<end_of_turn>\n"
+        "<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n"
+        "<start_of_turn>model\n")
+    assert gemma.render([_user("Hi")]) == "<bos><start_of_turn>user\nHi<end_of_turn>\n"
+    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text",
+                                                                        "text": "b "}]}
+    assert gemma.render([parts]) == "<bos><start_of_turn>user\nab<end_of_turn>\n"
+    with pytest.raises(ValueError, match="got role 'system'"):
+        gemma.render([_user("Hi"), SYSTEM])
+
+
+def test_chatml_template_output():
+    chatml = ChatTemplate(builtin_template("chatml"))
+    assert chatml.render(GEMMA_CHAT[:3], add_generation_prompt=True) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\n  Hi there.\n<|im_end|>\n"
+        "<|im_start|>assistant\nHello!  <|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_TEMPLATES))
+def test_builtin_templates_render_as_in_transformers(theirs, name):
+    ours = ChatTemplate(builtin_template(name), bos_token=theirs.bos_token,
+                        eos_token=theirs.eos_token)
+    for messages, add_generation_prompt in [*CONVERSATIONS, (GEMMA_CHAT, True)]:
+        assert ours.render(messages, add_generation_prompt=add_generation_prompt) == (
+            theirs.apply_chat_template(messages, chat_template=ours.source, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt))
+
+
+def test_default_chat_template_only_when_the_files_have_none(default_gguf, tmp_path):
+    own = Tokenizer.from_path(default_gguf)
+    assert Tokenizer.from_path(default_gguf, default_chat_template="gemma").chat_template == (
+        own.chat_template)
+    with pytest.raises(TokenizerError, match="known: chatml, gemma"):
+        Tokenizer.from_path(default_gguf, default_chat_template="nope")
+    own.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    assert Tokenizer.from_path(tmp_path).chat_template is None
+    chatml = Tokenizer.from_path(tmp_path, default_chat_template="chatml")
+    assert chatml.chat_template == BUILTIN_TEMPLATES["chatml"]
+    assert chatml.eos_token_ids == {chatml.token_to_id("<|im_end|>")}
+    with pytest.raises(ValueError, match="no chat template"):
+        ChatTemplate.for_tokenizer(Tokenizer.from_path(tmp_path))
