@@ -183,7 +183,7 @@ def simulate(args) -> dict:
     from models.tokenizer import Tokenizer
 
     path = args.model or str(fetch_default_model())
-    tokenizer = Tokenizer.from_path(path)
+    tokenizer = Tokenizer.for_model(path)
     cfg = EngineConfig(model=path, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,

@@ -52,7 +52,7 @@ class LLMEngine:
                  tokenizer: Tokenizer | None = None, detokenize: bool = True):
         self.config = config
         self.detokenize = detokenize
-        self.tokenizer = tokenizer or Tokenizer.from_path(config.model)
+        self.tokenizer = tokenizer or Tokenizer.for_model(config.model)
         self.runner = runner or ModelRunner(config)
         # The runner may size the KV pool itself (a share of device memory, engine/device.py).
         sized = getattr(getattr(self.runner, "config", None), "num_blocks", None)

@@ -60,8 +60,9 @@ def checkpoint_config(path: str | Path) -> tuple[ModelConfig, str]:
     fields = dict(meta["config"])
     if fields.get("rope_scaling"):
         fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-    if fields.get("rope_freq_factors"):
-        fields["rope_freq_factors"] = tuple(fields["rope_freq_factors"])
+    for key in ("rope_freq_factors", "layer_types"):  # JSON lists back to tuples
+        if fields.get(key):
+            fields[key] = tuple(fields[key])
     return ModelConfig(**fields), meta["dtype"]
 
 

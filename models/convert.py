@@ -15,6 +15,6 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "float32",
     cfg = load_config(src)
     params, quant = load_host_params(src, cfg, jdtype, quantization)
     dst = Path(dst)
-    Tokenizer.from_path(src).save_pretrained(dst)
+    Tokenizer.for_model(src).save_pretrained(dst)
     checkpoint.save_checkpoint(dst, cfg, params, jdtype, quant)
     return dst

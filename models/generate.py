@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     path = args.model or fetch_default_model()
-    tokenizer = Tokenizer.from_path(path)
+    tokenizer = Tokenizer.for_model(path)
     if args.raw or not tokenizer.chat_template:
         ids = tokenizer.encode(args.prompt)
     else:

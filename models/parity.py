@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     if args.min_agreement is not None and not measured:
         parser.error("--min-agreement needs --quantization or --kv-cache-dtype")
 
-    tokenizer = Tokenizer.from_path(args.model)
+    tokenizer = Tokenizer.for_model(args.model)
     prompts = [encode_prompt(tokenizer, p) for p in read_prompts(args.prompts)]
     longest = max(len(p) for p in prompts) + args.max_tokens
     model = load_model(args.model, dtype="float32", quantization=args.quantization or "none")

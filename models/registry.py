@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+from pathlib import Path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,7 @@ FAMILIES = (
     Family("llama", "models.llama",
            ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"},
-           chat_template="chatml", gguf_permuted_qk=("LlamaForCausalLM",)),
+           gguf_permuted_qk=("LlamaForCausalLM",)),
     Family("qwen3", "models.qwen3", ("Qwen3ForCausalLM",), {"qwen3": "Qwen3ForCausalLM"},
            chat_template="chatml"),
     Family("gemma3", "models.gemma3", ("Gemma3ForCausalLM",), {"gemma3": "Gemma3ForCausalLM"},
@@ -85,3 +87,32 @@ def model_class(architecture: str):
 def param_specs(cfg, quant=None) -> dict:
     """The parameter specs of `cfg`'s model (models/llama.py `Llama.param_specs`)."""
     return model_class(cfg.architecture).param_specs(cfg, quant)
+
+
+def declared_architecture(path: str | Path) -> str | None:
+    """The HF architecture name a model's files declare (GGUF metadata, `config.json`, or an
+    Orbax checkpoint's `xlaserve.json`), read without loading the model; None if unknown."""
+    path = Path(path)
+    try:
+        if path.is_file():
+            from models.gguf_file import read_metadata
+
+            arch = read_metadata(path).get("general.architecture")
+            return next((f.gguf_architectures[arch] for f in FAMILIES
+                         if arch in f.gguf_architectures), None)
+        for name, key in (("config.json", "architectures"), ("xlaserve.json", "config")):
+            if (path / name).is_file():
+                value = json.loads((path / name).read_text()).get(key)
+                return (value or [None])[0] if key == "architectures" else value["architecture"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return None
+
+
+def builtin_chat_template(path: str | Path) -> str | None:
+    """The built-in chat template for a model whose files carry none (by its family)."""
+    arch = declared_architecture(path)
+    try:
+        return family(arch).chat_template if arch else None
+    except UnsupportedArchitecture:
+        return None

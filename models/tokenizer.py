@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from models import registry
 from models.chat_template import builtin_template
 from models.gguf_file import read_metadata
 from models.gguf_vocab import NORMAL, VocabError, byte_level_bpe, sentencepiece_bpe
@@ -89,6 +90,12 @@ class Tokenizer:
         raise TokenizerError(
             f"{path}: no tokenizer found (expected a .gguf file, or a directory containing "
             f"tokenizer.json or tokenizer.model)")
+
+    @classmethod
+    def for_model(cls, path: str | Path) -> Tokenizer:
+        """`from_path`, with the built-in chat template of the model's family
+        (models/registry.py) for files that carry none, as the engine and tools load it."""
+        return cls.from_path(path, registry.builtin_chat_template(path))
 
     @classmethod
     def from_gguf(cls, path: str | Path, default_chat_template: str | None = None) -> Tokenizer:
