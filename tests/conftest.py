@@ -22,6 +22,14 @@ def default_gguf():
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf():
+    """Gemma 3 270M (base model, Q4_K_M GGUF; Gemma terms), fetched like the default model."""
+    from models.known_models import fetch_model
+
+    return fetch_model("gemma3-270m", quiet=True)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(default_gguf):
     """The default model's tokenizer (fake engines and HTTP tests use it too)."""
     from models.tokenizer import Tokenizer

@@ -2,8 +2,9 @@
 template in a base model's file) against transformers' tokenizer for the same file, and our gemma
 chat template on it.
 
-The real file's tests skip when it is absent (`scripts/fetch_model.py gemma3-270m` puts it in the
-user cache); a tiny Gemma-style vocabulary written here tests the same rules without it.
+The real file is fetched once per session (`gemma3_gguf` in conftest.py, as
+`scripts/fetch_model.py gemma3-270m` does); a tiny Gemma-style vocabulary written here tests the
+same rules on a vocabulary small enough to read.
 """
 
 from __future__ import annotations
@@ -15,15 +16,10 @@ import pytest
 from test_tokenizer import SP_CORPUS_WORDS, STRINGS
 
 from models.chat_template import ChatTemplate
-from models.default_model import cache_dir
 from models.parity import read_prompts
 from models.tokenizer import Tokenizer
 
-GEMMA3_GGUF = cache_dir() / "gemma-3-270m-q4_k_m.gguf"
 PROMPTS = Path(__file__).parent / "data" / "parity_prompts.txt"
-needs_gemma3 = pytest.mark.skipif(not GEMMA3_GGUF.is_file(),
-                                  reason=f"{GEMMA3_GGUF} is absent "
-                                         "(scripts/fetch_model.py gemma3-270m fetches it)")
 
 GEMMA_STRINGS = [
     "<start_of_turn>user\nHello<end_of_turn>\n<start_of_turn>model\n", "a<end_of_turn>b",
@@ -47,15 +43,15 @@ def _prompt_texts() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def ours():
-    return Tokenizer.from_path(GEMMA3_GGUF, default_chat_template="gemma")
+def ours(gemma3_gguf):
+    return Tokenizer.for_model(gemma3_gguf)  # the registry gives Gemma 3 the gemma template
 
 
 @pytest.fixture(scope="module")
-def theirs():
+def theirs(gemma3_gguf):
     import transformers
-    return transformers.AutoTokenizer.from_pretrained(str(GEMMA3_GGUF.parent),
-                                                      gguf_file=GEMMA3_GGUF.name)
+    return transformers.AutoTokenizer.from_pretrained(str(gemma3_gguf.parent),
+                                                      gguf_file=gemma3_gguf.name)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +61,6 @@ def strings(ours):
     return list(dict.fromkeys([*_prompt_texts(), *chats, *GEMMA_STRINGS, *STRINGS]))
 
 
-@needs_gemma3
 def test_ids_equal_transformers(ours, theirs, strings):
     assert len(strings) > 400
     mismatches = [(s, ours.encode(s), theirs.encode(s)) for s in strings
@@ -76,7 +71,6 @@ def test_ids_equal_transformers(ours, theirs, strings):
             s, add_special_tokens=False)
 
 
-@needs_gemma3
 def test_decode_equals_transformers(ours, theirs, strings):
     for s in strings:
         ids = ours.encode(s)
@@ -88,7 +82,6 @@ def test_decode_equals_transformers(ours, theirs, strings):
             assert ours.decode(ids) == "<bos>" + s
 
 
-@needs_gemma3
 def test_vocabulary_and_special_tokens(ours, theirs):
     assert ours.vocab_size == 262144 == len(theirs)
     assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (2, 1, 0)
@@ -108,16 +101,14 @@ def test_vocabulary_and_special_tokens(ours, theirs):
         "\u2581" * 16, "\u2581" * 24]
 
 
-@needs_gemma3
-def test_end_of_turn_ends_generation_with_the_gemma_template(ours):
+def test_end_of_turn_ends_generation_with_the_gemma_template(ours, gemma3_gguf):
     # The file has no template, so nothing writes <end_of_turn>: only <eos> ends generation.
-    plain = Tokenizer.from_path(GEMMA3_GGUF)
+    plain = Tokenizer.from_path(gemma3_gguf)
     assert plain.chat_template is None and plain.eos_token_ids == {1}
     assert ours.token_to_id("<end_of_turn>") == 106
     assert ours.eos_token_ids == {1, 106}
 
 
-@needs_gemma3
 def test_gemma_chat_prompt_has_one_bos(ours, theirs):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     text = ChatTemplate.for_tokenizer(ours).render(messages, add_generation_prompt=True)
