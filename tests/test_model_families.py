@@ -107,7 +107,7 @@ def test_pallas_kernels_match_the_reference(tiny, backend):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
-def test_registry_is_the_one_dispatch():
+def test_registry_is_the_one_dispatch(tmp_path):
     assert registry.model_class("Qwen3ForCausalLM").__name__ == "Qwen3"
     assert registry.model_class("Gemma3ForCausalLM").__name__ == "Gemma3"
     assert registry.model_class("MistralForCausalLM").__name__ == "Llama"
@@ -117,3 +117,11 @@ def test_registry_is_the_one_dispatch():
         ModelConfig.from_hf_dict({"architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'.*qwen3.*gemma3"):
         registry.gguf_family("gpt2")
+    # What a model's files declare, read without loading it, and the chat template it gets
+    # when they carry none.
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+    assert registry.declared_architecture(tmp_path) == "Qwen3ForCausalLM"
+    assert registry.builtin_chat_template(tmp_path) == "chatml"
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    assert registry.builtin_chat_template(tmp_path) is None  # a Llama without one: an error
+    assert registry.declared_architecture(tmp_path / "missing") is None
