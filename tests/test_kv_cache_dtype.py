@@ -50,13 +50,19 @@ KERNELS = {
 }
 
 
+def _page_size(kernel: str, kv_dtype) -> int:
+    """16-token pages, but 32 for 8-bit pages in the TPU kernel (whole packed sublane tiles)."""
+    return 32 if kernel == "pallas-tpu" and jnp.dtype(kv_dtype).itemsize == 1 else 16
+
+
 @pytest.mark.parametrize("kernel, kv_dtype", [
     ("reference", "float16"), ("reference", "bfloat16"), ("reference", "float8_e4m3fn"),
     ("pallas-gpu", "float16"), ("pallas-gpu", "bfloat16"), ("pallas-gpu", "float8_e4m3fn"),
-    ("pallas-tpu", "bfloat16"),  # Mosaic takes float32 and bfloat16 pages only
+    ("pallas-tpu", "bfloat16"), ("pallas-tpu", "float8_e4m3fn"),  # float16: refused, below
 ])
 def test_attention_reads_pages_in_their_dtype(kernel, kv_dtype):
-    case = make_case("mixed", num_kv_heads=2, group=2, head_dim=64, page_size=16)
+    case = make_case("mixed", num_kv_heads=2, group=2, head_dim=64,
+                     page_size=_page_size(kernel, kv_dtype))
     low = KVCache(case.cache.k.astype(kv_dtype), case.cache.v.astype(kv_dtype))
     widened = KVCache(low.k.astype(jnp.float32), low.v.astype(jnp.float32))
     out = KERNELS[kernel](case.q, low, LAYER, case.md, sm_scale=0.125)
@@ -67,16 +73,23 @@ def test_attention_reads_pages_in_their_dtype(kernel, kv_dtype):
     np.testing.assert_array_equal(np.asarray(out)[case.num_real_rows:], 0.0)
 
 
+def test_tpu_kernel_refuses_float16_pages():
+    case = make_case("mixed", num_kv_heads=2, group=2, head_dim=64, page_size=16)
+    low = KVCache(case.cache.k.astype(jnp.float16), case.cache.v.astype(jnp.float16))
+    with pytest.raises(ValueError, match="float16 KV pages are not supported by the TPU kernel"):
+        KERNELS["pallas-tpu"](case.q, low, LAYER, case.md, sm_scale=0.125)
+
+
 def test_int8_pages_round_trip_through_writes_with_their_scales():
     """int8 pages hold each written token's K/V to within half a step of its own scale (max |x|
     / 127 per token and KV head), and the reference attention over them equals attention over
-    the dequantized values in float32 pages, as does the Pallas GPU kernel (interpreted); the
-    TPU kernel refuses them."""
-    case = make_case("mixed", num_kv_heads=2, group=2, head_dim=64, page_size=16)
+    the dequantized values in float32 pages, as do the Pallas GPU and TPU kernels
+    (interpreted; 32-token pages, the TPU kernel's least for 8-bit pages)."""
+    case = make_case("mixed", num_kv_heads=2, group=2, head_dim=64, page_size=32)
     shape = case.cache.k.shape
     cache = KVCache.zeros(*shape, jnp.int8)
     assert cache.quantized and cache.k_scale.shape == shape[:4]
-    rows = np.arange(shape[1] * shape[2], dtype=np.int32)[16:]  # every slot past page 0
+    rows = np.arange(shape[1] * shape[2], dtype=np.int32)[shape[2]:]  # every slot past page 0
     page, offset = rows // shape[2], rows % shape[2]
     k, v = case.cache.k[LAYER, page, offset], case.cache.v[LAYER, page, offset]  # [N, Hkv, D]
     cache = attention.write_kv(cache, LAYER, k, v, jnp.asarray(rows))
@@ -88,13 +101,11 @@ def test_int8_pages_round_trip_through_writes_with_their_scales():
         (cache.k, cache.k_scale), (cache.v, cache.v_scale))))
     wrote = KVCache(case.cache.k.at[LAYER, page, offset].set(k),
                     case.cache.v.at[LAYER, page, offset].set(v))
-    for kernel in ("reference", "pallas-gpu"):
+    for kernel in ("reference", "pallas-gpu", "pallas-tpu"):
         out = KERNELS[kernel](case.q, cache, LAYER, case.md, sm_scale=0.125)
         assert rel_err(out, oracle(case.q, dequantized, LAYER, case.md, sm_scale=0.125)) < 1e-5
         assert rel_err(out, oracle(case.q, wrote, LAYER, case.md, sm_scale=0.125)) < 2e-2
         np.testing.assert_array_equal(np.asarray(out)[case.num_real_rows:], 0.0)
-    with pytest.raises(ValueError, match="float32 or bfloat16, got int8"):  # Mosaic: not yet
-        KERNELS["pallas-tpu"](case.q, cache, LAYER, case.md, sm_scale=0.125)
     with pytest.raises(ValueError, match="need scales"):
         ref_ragged_paged_attention(case.q, KVCache(cache.k, cache.v), LAYER, case.md,
                                    sm_scale=0.125)

@@ -1,5 +1,6 @@
 """The Pallas TPU ragged paged attention kernel, in TPU interpret mode on CPU, against the
-pure-JAX reference and the float64 oracle."""
+pure-JAX reference and the float64 oracle; float32, bfloat16, int8 (with their scales) and
+fp8 pages."""
 
 from __future__ import annotations
 
@@ -10,9 +11,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import MATRIX_PARAMS, case_from, check_kernel, make_case
+from attention_cases import (
+    LAYER,
+    MATRIX_PARAMS,
+    TOLERANCE,
+    Case,
+    case_from,
+    check_kernel,
+    make_case,
+    oracle,
+    rel_err,
+)
 
-from ops.attention import KVCache, ref_ragged_paged_attention
+from ops.attention import KVCache, quantize_kv, read_kv, ref_ragged_paged_attention
 from ops.pallas_tpu_attention import pallas_tpu_ragged_paged_attention
 
 kernel = functools.partial(pallas_tpu_ragged_paged_attention, interpret=True)
@@ -39,6 +50,61 @@ def test_soft_cap():
 
 def test_soft_cap_and_window():
     check_kernel(kernel, _small_case(dtype=jnp.bfloat16), soft_cap=5.0, sliding_window=8)
+
+
+def _stored(cache: KVCache, kv_dtype: str) -> KVCache:
+    """`cache`'s pages stored as `kv_dtype`: "int8" quantized per token and KV head with their
+    scales (as `write_kv` stores them), "fp8" as e4m3 values."""
+    if kv_dtype == "int8":
+        (k, k_scale), (v, v_scale) = quantize_kv(cache.k), quantize_kv(cache.v)
+        return KVCache(k, v, k_scale, v_scale)
+    return KVCache(cache.k.astype(jnp.float8_e4m3fn), cache.v.astype(jnp.float8_e4m3fn))
+
+
+def check_stored(case: Case, kv_dtype: str, blocks=None, **kw) -> None:
+    """The kernel over `case`'s pages stored as `kv_dtype` against the reference over the same
+    pages and the float64 oracle over the float32 values they stand for (int8 times its
+    scales): relative error under q's dtype's tolerance, no NaN, padded rows zero. `blocks`:
+    the kernel's block sizes; `kw`: attention options for all three."""
+    stored = _stored(case.cache, kv_dtype)
+    values = KVCache(read_kv(stored.k, stored.k_scale, jnp.float32),
+                     read_kv(stored.v, stored.v_scale, jnp.float32))
+    sm_scale = case.q.shape[-1] ** -0.5
+    out = kernel(case.q, stored, LAYER, case.md, sm_scale=sm_scale, **(blocks or {}), **kw)
+    ref = ref_ragged_paged_attention(case.q, stored, LAYER, case.md, sm_scale=sm_scale, **kw)
+    expected = oracle(case.q, values, LAYER, case.md, sm_scale=sm_scale, **kw)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype, (out.shape, out.dtype)
+    out_np = np.asarray(jnp.asarray(out, jnp.float32))
+    assert not np.isnan(out_np).any()
+    tol = TOLERANCE[jnp.dtype(case.q.dtype).name]
+    assert rel_err(out, expected) < tol, ("oracle", rel_err(out, expected))
+    assert rel_err(out, ref.astype(jnp.float32)) < tol, ("reference", rel_err(out, ref))
+    np.testing.assert_array_equal(out_np[case.num_real_rows:], 0.0)
+
+
+# 8-bit pages need page_size 32 (four values to a 32-bit sublane, 8 sublanes a tile).
+@pytest.mark.parametrize("kv_dtype, kind, group, head_dim, dtype", [
+    ("int8", "mixed", 4, 64, jnp.float32),     # prefill chunks and decodes, GQA
+    ("int8", "decode", 8, 128, jnp.bfloat16),
+    ("int8", "prefill", 1, 64, jnp.float32),
+    ("fp8", "mixed", 4, 64, jnp.bfloat16),
+    ("fp8", "decode", 2, 128, jnp.float32),
+])
+def test_8bit_pages_match_reference(kv_dtype, kind, group, head_dim, dtype):
+    case = make_case(kind, num_kv_heads=2, group=group, head_dim=head_dim, page_size=32,
+                     dtype=dtype, seed=11)
+    check_stored(case, kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("sliding_window", [5, 40])
+def test_8bit_pages_sliding_window_small_blocks(kv_dtype, sliding_window):
+    """A window over 8-bit pages, one page a block and two rows an item: the scale slabs
+    alternate double-buffer slots with their pages, and blocks wholly before the window
+    (window 5 over 32-token pages) are skipped."""
+    case = make_case("mixed", num_kv_heads=2, group=2, head_dim=64, page_size=32, seed=5)
+    check_stored(case, kv_dtype, blocks=dict(block_q=2, pages_per_block=1),
+                 sliding_window=sliding_window, soft_cap=5.0)
 
 
 @pytest.mark.parametrize("block_q, pages_per_block", [(2, 1), (4, 2)])
@@ -81,16 +147,20 @@ def test_default_interpret_on_cpu():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_lowers_to_mosaic(dtype):
+@pytest.mark.parametrize("dtype, kv_dtype", [
+    (jnp.float32, None), (jnp.bfloat16, None), (jnp.float32, "int8"), (jnp.bfloat16, "int8"),
+    (jnp.bfloat16, "fp8"),
+])
+def test_lowers_to_mosaic(dtype, kv_dtype):
     """Without a TPU, lowering for one still runs Pallas's Mosaic lowering (not libtpu's
     compiler): it rejects constructs that only interpret mode accepts."""
-    case = _small_case(dtype=dtype)
+    case = _small_case(dtype=dtype, page_size=16 if kv_dtype is None else 32)
+    cache = case.cache if kv_dtype is None else _stored(case.cache, kv_dtype)
     attention = functools.partial(pallas_tpu_ragged_paged_attention, sm_scale=0.125,
                                   sliding_window=8, soft_cap=5.0, interpret=False,
                                   block_q=4, pages_per_block=2)
     exported = jax.export.export(jax.jit(attention), platforms=["tpu"])(
-        case.q, case.cache, jnp.int32(1), case.md)
+        case.q, cache, jnp.int32(1), case.md)
     assert "tpu_custom_call" in exported.mlir_module()
 
 
@@ -109,7 +179,9 @@ def _cast(dtype):
     (lambda q, c, md: (q[..., :32], c, md), "head_dim"),
     (lambda q, c, md: (q[:, :3], c, md), "not divisible"),
     (lambda q, c, md: (q, KVCache(c.k, c.v.astype(jnp.bfloat16)), md), "share a dtype"),
-    (_cast(jnp.float16), "float32 or bfloat16"),
+    (_cast(jnp.float16), "q dtype must be float32 or bfloat16"),
+    (lambda q, c, md: (q, KVCache(c.k.astype(jnp.float16), c.v.astype(jnp.float16)), md),
+     "float16 KV pages are not supported by the TPU kernel.*bfloat16"),
     (lambda q, c, md: (q, KVCache(c.k[:, :, :12], c.v[:, :, :12]), md), "multiple of 8"),
     (lambda q, c, md: (q[..., :32], KVCache(c.k[..., :32], c.v[..., :32]), md),
      "multiple of 64"),
@@ -130,6 +202,16 @@ def test_bf16_pages_must_fill_packed_sublanes():
                                                        case.cache.v[:, :, :8]), case.md)
     with pytest.raises(ValueError, match="multiple of 16"):
         pallas_tpu_ragged_paged_attention(q, cache, 0, md, sm_scale=0.125)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_8bit_pages_must_fill_packed_sublanes(kv_dtype):
+    """The engine's default 16-token pages are half a tile of 8-bit values: a clear error."""
+    case = _small_case(group=2)
+    with pytest.raises(ValueError, match=r"page_size \(--block-size\) must be a multiple of "
+                                         r"32 for (int8|float8_e4m3fn) KV pages.*got 16"):
+        pallas_tpu_ragged_paged_attention(case.q, _stored(case.cache, kv_dtype), 0, case.md,
+                                          sm_scale=0.125)
 
 
 @pytest.mark.parametrize("block_q", [0, 2.5])
