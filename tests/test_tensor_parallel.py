@@ -45,6 +45,13 @@ def tiny(request, tmp_path_factory):
     return save_tiny_hf(tmp_path_factory.mktemp(request.param), **TINY[request.param])
 
 
+# The engine's own mechanisms (compile table, quantized and int8-KV splits) do not depend on
+# the family: those tests run on the two Llama-shaped models only.
+@pytest.fixture(scope="module", params=["mha", "gqa-bias"])
+def llama_tiny(request, tmp_path_factory):
+    return save_tiny_hf(tmp_path_factory.mktemp(request.param), **TINY[request.param])
+
+
 def _decoder(path, size: int, backend: str = "reference") -> GreedyDecoder:
     mesh = None if size == 1 else make_mesh(size)
     return GreedyDecoder(load_model(path, dtype="float32", attention_backend=backend, mesh=mesh),
@@ -124,7 +131,8 @@ def test_sizes_that_do_not_divide_the_heads_fail_at_startup(default_gguf):
         make_mesh(16)
 
 
-def test_no_compilation_after_warmup_under_tensor_parallelism(tiny):
+def test_no_compilation_after_warmup_under_tensor_parallelism(llama_tiny):
+    tiny = llama_tiny
     engine_cfg = EngineConfig(model=str(tiny), dtype="float32", max_model_len=128,
                               max_num_seqs=4, max_num_batched_tokens=32, num_blocks=33,
                               tensor_parallel_size=2)
@@ -142,7 +150,8 @@ def test_no_compilation_after_warmup_under_tensor_parallelism(tiny):
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_weights_split_consistently(tiny, quantization):
+def test_quantized_weights_split_consistently(llama_tiny, quantization):
+    tiny = llama_tiny
     # Values and their scales are split along the same rows (or groups): every size gives
     # the one-device tokens.
     def decoder(size):
@@ -158,7 +167,8 @@ def test_quantized_weights_split_consistently(tiny, quantization):
         assert dec.generate(IDS, 12)[0] == tokens, size
 
 
-def test_int8_kv_pages_split_with_their_scales(tiny):
+def test_int8_kv_pages_split_with_their_scales(llama_tiny):
+    tiny = llama_tiny
     # Pages and their per-token scales are split by the same KV heads: every size gives the
     # one-device logits and tokens of int8 pages.
     def decoder(size):
