@@ -137,13 +137,17 @@ def rel_err(out, expected) -> float:
     return float(np.max(np.abs(out - expected)) / np.max(np.abs(expected)))
 
 
-def check_kernel(kernel, case: Case, *, layer: int = LAYER, **kw) -> None:
+def check_kernel(kernel, case: Case, *, layer: int = LAYER, values: KVCache | None = None,
+                 blocks: dict | None = None, **kw) -> None:
     """Run `kernel` (the reference's signature) on `case` and hold it to the reference and the
-    float64 oracle: relative error under the dtype's tolerance, no NaN, padded rows zero."""
+    float64 oracle: relative error under the dtype's tolerance, no NaN, padded rows zero.
+    `values`: the float pages the oracle reads when `case.cache` stores them otherwise (int8
+    with scales, fp8); `blocks`: the kernel's own block sizes; `kw`: attention options."""
     sm_scale = case.q.shape[-1] ** -0.5
-    out = kernel(case.q, case.cache, layer, case.md, sm_scale=sm_scale, **kw)
+    out = kernel(case.q, case.cache, layer, case.md, sm_scale=sm_scale, **(blocks or {}), **kw)
     ref = ref_ragged_paged_attention(case.q, case.cache, layer, case.md, sm_scale=sm_scale, **kw)
-    expected = oracle(case.q, case.cache, layer, case.md, sm_scale=sm_scale, **kw)
+    values = case.cache if values is None else values
+    expected = oracle(case.q, values, layer, case.md, sm_scale=sm_scale, **kw)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype, (out.shape, out.dtype)
     out_np = np.asarray(jnp.asarray(out, jnp.float32))
     assert not np.isnan(out_np).any()
