@@ -42,13 +42,18 @@ SERVER_KEY = "sk-xlaserve-test"
 SERVER_LIMITS = {"max_model_len": 512, "max_num_seqs": 16, "max_num_batched_tokens": 64}
 
 
+def default_model_server(log, *extra: str):
+    """A context: `python -m server` on 127.0.0.1 serving the default model with the live
+    server's key and limits (and `extra` flags); yields its base URL."""
+    from servers import running_server
+
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SERVER_LIMITS.items()]
+    return running_server(["--api-key", SERVER_KEY, "--max-waiting-requests", "256", *flags,
+                           *extra], log)
+
+
 @pytest.fixture(scope="session")
 def live_server(default_gguf, tmp_path_factory):
     """`python -m server` on 127.0.0.1 serving the default model: yields its base URL."""
-    from servers import running_server
-
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SERVER_LIMITS.items()]
-    with running_server(["--api-key", SERVER_KEY, "--max-waiting-requests", "256", *flags],
-                        log) as url:
+    with default_model_server(tmp_path_factory.mktemp("server") / "server.log") as url:
         yield url

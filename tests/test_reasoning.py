@@ -9,7 +9,7 @@ import json
 
 import openai
 import pytest
-from conftest import SERVER_KEY, SERVER_LIMITS
+from conftest import SERVER_KEY, default_model_server
 from test_server_openai import MODEL
 
 from server.reasoning import REASONING_PARSERS, ReasoningParser
@@ -190,12 +190,8 @@ CALL_AFTER = (r'<think>[a-z][a-z ]{0,19}</think>\n<tool_call>\n\{"name": "get_we
 @pytest.fixture(scope="module")
 def reasoning_server(default_gguf, tmp_path_factory):
     """The live server's setup with --reasoning-parser qwen3, for this module."""
-    from servers import running_server
-
     log = tmp_path_factory.mktemp("reasoning-server") / "server.log"
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SERVER_LIMITS.items()]
-    with running_server(["--api-key", SERVER_KEY, "--reasoning-parser", "qwen3", *flags],
-                        log) as url:
+    with default_model_server(log, "--reasoning-parser", "qwen3") as url:
         yield url
 
 
