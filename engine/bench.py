@@ -127,9 +127,9 @@ def build_engine(args) -> LLMEngine:
                              mesh=mesh, quantization=args.quantization)
         return LLMEngine(cfg, runner=ModelRunner(cfg, model=model), tokenizer=_IdsOnly(),
                          detokenize=False)
-    from models.known_models import fetch_default_model
+    from models.known_models import model_arg
 
-    cfg = EngineConfig(model=args.model or str(fetch_default_model()), **common)
+    cfg = EngineConfig(model=model_arg(args.model), **common)
     # The KV pool the server would give this model (its default budget, engine.device).
     cfg = size_kv(cfg)
     return LLMEngine(cfg, detokenize=False)
@@ -179,10 +179,10 @@ class SimulatedRunner:
 
 def simulate(args) -> dict:
     """The --simulate-device-ms run: the host path's cost per step and the device's share."""
-    from models.known_models import fetch_default_model
+    from models.known_models import model_arg
     from models.tokenizer import Tokenizer
 
-    path = args.model or str(fetch_default_model())
+    path = model_arg(args.model)
     tokenizer = Tokenizer.for_model(path)
     cfg = EngineConfig(model=path, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs,
@@ -318,8 +318,8 @@ def main(argv=None) -> int:
 
         return bench_serve.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="GGUF file, HF directory or Orbax checkpoint "
-                                   "(default: the default model)")
+    p.add_argument("--model", help="GGUF file, HF directory or Orbax checkpoint, or a known "
+                                   "model's name (default: the default model)")
     p.add_argument("--random-weights", action="store_true")
     p.add_argument("--config", default="smollm2-135m", help="preset shape for --random-weights")
     p.add_argument("--num-prompts", type=int, default=64)

