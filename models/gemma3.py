@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -32,7 +34,7 @@ class Gemma3(Llama):
                   for name in ("q_norm", "k_norm")}
         specs["final_norm"] = ParamSpec((E,), ("embed",))
         # A norm's weight is its offset from 1: zero at initialization, as in HF.
-        return {name: (ParamSpec(s.shape, s.axes, "zeros") if "norm" in name else s)
+        return {name: (dataclasses.replace(s, init="zeros") if "norm" in name else s)
                 for name, s in specs.items()}
 
     @classmethod

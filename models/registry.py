@@ -97,9 +97,7 @@ def declared_architecture(path: str | Path) -> str | None:
         if path.is_file():
             from models.gguf_file import read_metadata
 
-            arch = read_metadata(path).get("general.architecture")
-            return next((f.gguf_architectures[arch] for f in FAMILIES
-                         if arch in f.gguf_architectures), None)
+            return gguf_family(read_metadata(path).get("general.architecture"))[1]
         for name, key in (("config.json", "architectures"), ("xlaserve.json", "config")):
             if (path / name).is_file():
                 value = json.loads((path / name).read_text()).get(key)

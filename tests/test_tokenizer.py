@@ -176,21 +176,26 @@ def _sp_strings() -> list[str]:
     return SP_STRINGS + extra
 
 
-@pytest.fixture(scope="module")
-def sp_model(tmp_path_factory):
-    """A tiny Llama-style sentencepiece BPE model: byte fallback, no normalization."""
+def train_tiny_sentencepiece(model_file, **ids):
+    """A 400-piece sentencepiece BPE model (byte fallback, no normalization) trained on a
+    fixed random corpus of SP_CORPUS_WORDS, written to `model_file` (`ids`: special ids)."""
     import sentencepiece as spm
-    out = tmp_path_factory.mktemp("sp")
     rng = random.Random(0)
     corpus = [" ".join(rng.choice(SP_CORPUS_WORDS) for _ in range(rng.randint(3, 15)))
               for _ in range(2000)]
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus), model_prefix=str(out / "tokenizer"), vocab_size=400,
-        model_type="bpe", byte_fallback=True, character_coverage=1.0,
-        normalization_rule_name="identity", remove_extra_whitespaces=False,
-        bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
-    return out / "tokenizer.model", spm.SentencePieceProcessor(
-        model_file=str(out / "tokenizer.model"))
+        sentence_iterator=iter(corpus), model_prefix=str(model_file).removesuffix(".model"),
+        vocab_size=400, model_type="bpe", byte_fallback=True, character_coverage=1.0,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2,
+        **ids)
+    return spm.SentencePieceProcessor(model_file=str(model_file))
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    """A tiny Llama-style sentencepiece BPE model: byte fallback, no normalization."""
+    model = tmp_path_factory.mktemp("sp") / "tokenizer.model"
+    return model, train_tiny_sentencepiece(model, bos_id=1, eos_id=2, unk_id=0, pad_id=-1)
 
 
 def test_tokenizer_model_directory_equals_sentencepiece(sp_model, tmp_path):

@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 
 import pytest
-from test_tokenizer import SP_CORPUS_WORDS, STRINGS
+from test_tokenizer import SP_CORPUS_WORDS, STRINGS, train_tiny_sentencepiece
 
 from models.chat_template import ChatTemplate
 from models.parity import read_prompts
@@ -131,17 +131,9 @@ def tiny_gemma(tmp_path_factory):
     """Laid out as Gemma's file is: control tokens, user-defined newline runs and space runs
     stored with real spaces (score -1000), byte tokens, then the pieces scored by rank."""
     import gguf
-    import sentencepiece as spm
 
     out = tmp_path_factory.mktemp("tiny-gemma")
-    rng = random.Random(0)
-    corpus = [" ".join(rng.choice(SP_CORPUS_WORDS) for _ in range(rng.randint(3, 15)))
-              for _ in range(2000)]
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus), model_prefix=str(out / "sp"), vocab_size=400,
-        model_type="bpe", byte_fallback=True, character_coverage=1.0,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2)
-    sp = spm.SentencePieceProcessor(model_file=str(out / "sp.model"))
+    sp = train_tiny_sentencepiece(out / "sp.model")
     kind = gguf.TokenType
     vocab = [(t, kind.CONTROL, -1000.0) for t in ("<pad>", "<eos>", "<bos>")]
     vocab += [("<unk>", kind.UNKNOWN, -1000.0), ("<mask>", kind.CONTROL, -1000.0),
