@@ -50,7 +50,6 @@ from models.llama import weight
 from models.registry import param_specs
 from ops.attention import BACKENDS, KV_CACHE_DTYPES
 from ops.quantization import CHOICES as QUANTIZATION_CHOICES
-from ops.quantization import linear
 
 
 def _best(fn, repeats: int) -> float:
@@ -82,6 +81,9 @@ def dense_seconds(runner: ModelRunner, num_tokens: int = 1, repeats: int = 30) -
     cfg = model.cfg
     layers = nnx.to_pure_dict(nnx.state(model.layers))
     head = weight(model.top_params(), "embed" if cfg.tie_word_embeddings else "lm_head")
+
+    def linear(x, w, out_dtype=None):  # as the model runs its matmuls
+        return model.linear(x, w, out_dtype)
 
     @jax.jit
     def dense(layers, head, x):

@@ -6,7 +6,7 @@ import dataclasses
 
 # The --quantization choices: ops.quantization.CHOICES (this module imports no jax; a test
 # holds the two equal).
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "w8a8")
 # The --kv-cache-dtype choices: ops.attention.KV_CACHE_DTYPES (held equal by a test too).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 

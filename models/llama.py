@@ -183,6 +183,8 @@ class Llama(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype  # activations (and float weights)
         self.quant = tuple(sorted((quant or {}).items()))  # (parameter name, format) pairs
+        # w8a8: every matrix is per-channel int8; its matmuls read int8 rows (ops/quantization)
+        self.int8_activations = any(fmt.activations == 8 for fmt in (quant or {}).values())
         self.attention_backend = resolve_backend(attention_backend)  # "auto" -> the platform's
         self.mesh = mesh  # a tensor-parallel mesh (models/sharding.py), or None
         params = {name: nnx.Param(_init(spec, rngs.params(), dtype))
@@ -295,16 +297,16 @@ class Llama(nnx.Module):
     def activation(self, x):
         return jax.nn.silu(x)
 
-    def linear(self, x, w):
-        return linear(x, w, chunked=self.mesh is None)
+    def linear(self, x, w, out_dtype=None):
+        return linear(x, w, out_dtype, chunked=self.mesh is None,
+                      int8_activations=self.int8_activations)
 
     # ---- the head ----------------------------------------------------------------------
 
     def logits(self, x: jax.Array) -> jax.Array:  # [N, E] final-normed -> [N, V] float32
         """The LM head."""
         head = "embed" if self.cfg.tie_word_embeddings else "lm_head"
-        return linear(x, weight(self.top_params(), head), jnp.float32,
-                      chunked=self.mesh is None)
+        return self.linear(x, weight(self.top_params(), head), jnp.float32)
 
     def top_params(self) -> dict:
         """The parameters outside the layer stack (embeddings, final norm, LM head)."""

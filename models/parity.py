@@ -12,7 +12,7 @@ tokens differ we look at the reference's logits there: a divergence is accepted
 only when our token is the reference's runner-up and its top-2 gap is below 1e-3
 (a near-tie that float rounding can flip). Exit code 0 only if every prompt passes.
 
---quantization int8|int4: quantized weights cannot match token for token, so we
+--quantization int8|int4|w8a8: quantized weights cannot match token for token, so we
 measure how close they come. The reference decodes greedily; our quantized model
 is teacher-forced on the prompt plus the reference's tokens (one forward pass, all
 logits) and we report, per prompt and on average, the top-1 agreement (fraction of
@@ -38,6 +38,7 @@ from models.generate import GreedyDecoder
 from models.known_models import model_arg
 from models.loader import load_model, model_format
 from models.tokenizer import Tokenizer
+from ops.quantization import SCHEMES
 
 GAP_TOLERANCE = 1e-3
 
@@ -216,7 +217,7 @@ def main(argv=None) -> int:
                              "(smollm2-135m, gemma3-270m: fetched if missing)")
     parser.add_argument("--prompts", required=True, help="prompt file, one per line")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--quantization", choices=["auto", "int8", "int4"],
+    parser.add_argument("--quantization", choices=["auto", *SCHEMES],
                         help="load our weights quantized (as the server's flag) and measure "
                              "top-1 agreement and KL against the float32 reference instead of "
                              "greedy parity, which runs on float weights")

@@ -56,9 +56,9 @@ def quant_plan(cfg: ModelConfig, quantization: str | None,
     """Which matrices are quantized, and how. `stored`: our parameter name -> the formats its
     source tensors already have (a QuantFormat, or None for float). A parameter whose every
     tensor is stored in one format that we take over losslessly keeps it (GGUF Q8_0, Q4_0,
-    Q4_1, whichever scheme was asked for: requantizing would only lose); under a scheme the
-    others get its format, under "auto" they stay float. None or "none": every weight in
-    float."""
+    Q4_1, whichever weight-only scheme was asked for: requantizing would only lose; w8a8's
+    matmuls need its own format, so it requantizes them); under a scheme the others get its
+    format, under "auto" they stay float. None or "none": every weight in float."""
     if quantization in (None, "none"):
         return {}
     plan = {}
@@ -67,10 +67,11 @@ def quant_plan(cfg: ModelConfig, quantization: str | None,
             continue
         formats = (stored or {}).get(name, {None})
         kept = next(iter(formats)) if len(formats) == 1 else None
-        if kept is not None:
-            plan[name] = kept
-        elif quantization != "auto":
-            plan[name] = scheme_format(quantization, name)
+        wanted = None if quantization == "auto" else scheme_format(quantization, name)
+        if kept is not None and (wanted is None or not wanted.activations or kept == wanted):
+            plan[name] = kept  # w8a8 needs per-channel int8 throughout: it requantizes
+        elif wanted is not None:
+            plan[name] = wanted
     return plan
 
 

@@ -1,6 +1,7 @@
 """Convert a GGUF file or HF directory into an xlaserve Orbax checkpoint (fast reloads).
 
-Usage: python scripts/convert.py SRC DST [--dtype float32|bfloat16] [--quantization int8|int4]
+Usage: python scripts/convert.py SRC DST [--dtype float32|bfloat16]
+       [--quantization int8|int4|w8a8]
 """
 
 import argparse

@@ -1,5 +1,6 @@
-"""Weight-only quantization (ops/quantization.py): GGUF blocks taken over bit for bit, the
-quantized matmul against float references, and quantized checkpoints."""
+"""Quantization (ops/quantization.py): GGUF blocks taken over bit for bit, the quantized
+matmul against float references (weight-only, and w8a8's int8 x int8), and quantized
+checkpoints."""
 
 from __future__ import annotations
 
@@ -118,6 +119,38 @@ def test_zero_rows_quantize_to_zero():
         assert not parts["q"].any() and not parts["scale"].any()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_w8a8_matmul_is_exact_in_integers_and_close_to_float(rows):
+    w = _weight(40, 128)
+    parts = quantize(w, quantization.scheme_format("w8a8"))
+    x = np.random.default_rng(rows).standard_normal((rows, 128)).astype(np.float32)
+    x[0, 3] = 9.0  # an outlier: its row's scale is 9 / 127
+    got = np.asarray(jax.jit(lambda x, w: linear(x, w, int8_activations=True))(x, parts))
+    # The int8 rows times the int8 weights, summed exactly, then the two scales ...
+    xs = np.abs(x).max(-1, keepdims=True) / 127
+    xq = np.clip(np.rint(x / xs), -127, 127)
+    exact = (xq @ parts["q"].astype(np.float64).T) * xs * parts["scale"][:, 0].astype(np.float64)
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)
+    # ... within both quantization errors of the float product.
+    want = x @ w.T
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.03
+
+
+def test_w8a8_rows_do_not_depend_on_the_batch():
+    # Each row is quantized on its own scale and summed exactly: a row's result is the same
+    # bits alone (padded), beside others, or beside a zero row.
+    parts = quantize(_weight(40, 128), quantization.scheme_format("w8a8"))
+    x = np.random.default_rng(0).standard_normal((6, 128)).astype(np.float32)
+    x[2] = 0.0
+    f = jax.jit(lambda x, w: linear(x, w, int8_activations=True))
+    batch = np.asarray(f(x, parts))
+    assert not batch[2].any()
+    for i in range(6):
+        np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], parts))[0], batch[i])
+    with pytest.raises(ValueError, match="per-channel int8"):
+        linear(x, quantize(_weight(40, 128), QuantFormat(8, 32)), int8_activations=True)
+
+
 def test_default_model_keeps_its_gguf_blocks(default_gguf):
     from models.loader import load_model, weight_bytes
     from models.registry import param_specs
@@ -163,6 +196,11 @@ def test_quantization_plans(default_gguf, tmp_path):
     assert int4["embed"] == int4["lm_head"] == QuantFormat(8, 32)
     int8 = load_hf_params(src, tiny, jnp.float32, "int8")[1]
     assert set(int8.values()) == {QuantFormat(8, 0)}
+    # w8a8's matmuls need per-channel int8 everywhere: the file's blocks are requantized.
+    _, w8a8 = load_gguf_params(default_gguf, cfg, jnp.float32, "w8a8")
+    assert set(w8a8.values()) == {QuantFormat(8, 0, activations=8)}
+    assert set(load_hf_params(src, tiny, jnp.float32, "w8a8")[1].values()) == {
+        QuantFormat(8, 0, activations=8)}
 
 
 def test_quantized_checkpoint_round_trip(tmp_path):
@@ -174,12 +212,13 @@ def test_quantized_checkpoint_round_trip(tmp_path):
 
     src = save_tiny_hf(tmp_path / "hf", tie_word_embeddings=False)
     ids = [5, 17, 3, 99, 42, 7, 150, 23]
-    for scheme in ("int8", "int4"):
+    for scheme in ("int8", "int4", "w8a8"):
         model = load_model(src, quantization=scheme)
         want = GreedyDecoder(model, max_len=64).prompt_logits(ids)
         ckpt = convert(src, tmp_path / scheme, quantization=scheme)
         model = load_model(ckpt)
-        assert dict(model.quant)["layers.wq"].bits == int(scheme[-1])
+        assert dict(model.quant)["layers.wq"] == quantization.scheme_format(scheme, "wq")
+        assert model.int8_activations == (scheme == "w8a8")
         np.testing.assert_array_equal(GreedyDecoder(model, max_len=64).prompt_logits(ids), want)
         with pytest.raises(ValueError, match="float weights"):
             load_model(convert(src, tmp_path / "float"), quantization=scheme)

@@ -149,7 +149,7 @@ def test_no_compilation_after_warmup_under_tensor_parallelism(llama_tiny):
 
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
 def test_quantized_weights_split_consistently(llama_tiny, quantization):
     tiny = llama_tiny
     # Values and their scales are split along the same rows (or groups): every size gives
