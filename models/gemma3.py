@@ -63,6 +63,10 @@ class Gemma3(Llama):
     def from_gguf(cls, hf_name: str, w):
         return w - 1 if hf_name.endswith("norm.weight") else w
 
+    @classmethod
+    def scale_norm(cls, w, s):
+        return (1 + w) / s - 1  # the norm scales by (1 + w)
+
     def embed_tokens(self, top, tokens):
         x = super().embed_tokens(top, tokens)
         return x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)

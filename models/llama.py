@@ -23,6 +23,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.rope import apply_rope, rope_inv_freq
+from models.smoothing import record
 from ops.attention import (
     AttentionMetadata,
     KVCache,
@@ -175,6 +176,11 @@ class Llama(nnx.Module):
         quantized blocks pass through `from_gguf` only if the family changes nothing)."""
         return w
 
+    @classmethod
+    def scale_norm(cls, w, s):
+        """A norm weight whose output is divided by `s` (models/smoothing.py)."""
+        return w / s
+
     # ---- the module --------------------------------------------------------------------
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
@@ -275,8 +281,7 @@ class Llama(nnx.Module):
         """Self-attention over the paged cache, output projection included."""
         cfg = self.cfg
         T, H, K, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        lin = self.linear
-        q, k, v = (lin(h, weight(p, w)) for w in ("wq", "wk", "wv"))
+        q, k, v = (self.project(h, p, w) for w in ("wq", "wk", "wv"))
         if cfg.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
@@ -288,14 +293,19 @@ class Llama(nnx.Module):
         attn = ragged_paged_attention(
             q, cache, idx, step.md, sm_scale=cfg.sm_scale, sliding_window=kind.window,
             backend=self.attention_backend, mesh=self.mesh)
-        return lin(attn.reshape(T, H * D), weight(p, "wo")), cache
+        return self.project(attn.reshape(T, H * D), p, "wo"), cache
 
     def mlp(self, h, p):
-        gate = self.activation(self.linear(h, weight(p, "w_gate")))
-        return self.linear(gate * self.linear(h, weight(p, "w_up")), weight(p, "w_down"))
+        gate = self.activation(self.project(h, p, "w_gate"))
+        return self.project(gate * self.project(h, p, "w_up"), p, "w_down")
 
     def activation(self, x):
         return jax.nn.silu(x)
+
+    def project(self, x, p, name: str):
+        """x times the layer's matrix `name` (its input is recorded while calibrating)."""
+        record(name, x)
+        return self.linear(x, weight(p, name))
 
     def linear(self, x, w, out_dtype=None):
         return linear(x, w, out_dtype, chunked=self.mesh is None,

@@ -17,7 +17,7 @@ from models.gguf_loader import gguf_config, load_gguf_params
 from models.hf_loader import load_hf_params
 from models.llama import Llama
 from models.sharding import param_shardings, repeat_kv_heads, sharded_config
-from models.weights import build_model
+from models.weights import build_model, quant_plan, quantize_params
 from ops.attention import TENSOR_AXIS
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,15 @@ def load_host_params(path: str | Path, cfg: ModelConfig, dtype,
     """Parameters as host numpy arrays (GGUF and HF sources only), and the quantization
     plan they follow (models/weights.py quant_plan)."""
     fmt = model_format(path)
+    if quantization == "w8a8" and fmt in ("gguf", "hf"):
+        # Smoothed in float on a calibration text, then quantized (models/smoothing.py).
+        from models.smoothing import CALIBRATION_TEXT, smooth
+        from models.tokenizer import Tokenizer
+
+        params, _ = load_host_params(path, cfg, dtype, "none")
+        tokens = Tokenizer.for_model(path).encode(CALIBRATION_TEXT)
+        quant = quant_plan(cfg, "w8a8")
+        return quantize_params(smooth(params, cfg, tokens), quant), quant
     if fmt == "gguf":
         return load_gguf_params(path, cfg, dtype, quantization)
     if fmt == "hf":

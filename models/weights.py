@@ -146,6 +146,25 @@ def assemble_params(
     return nest(buffers)
 
 
+def quantize_params(params: dict, quant: dict[str, QuantFormat]) -> dict:
+    """Nested host float parameters -> the matrices in `quant` quantized (`name` and
+    `name_scale`[, `name_min`]), the rest as they are."""
+    flat = {".".join(path): v for path, v in _flatten(params)}
+    for name, fmt in quant.items():
+        parts = quantize(flat[name], fmt)
+        flat[name] = parts.pop("q").astype(fmt.storage_dtype())
+        flat.update({f"{name}_{part}": value for part, value in parts.items()})
+    return nest(flat)
+
+
+def _flatten(tree: dict, prefix: tuple = ()):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
 def nest(flat: dict[str, np.ndarray]) -> dict:
     """{'layers.wq': x, 'embed': y} -> {'layers': {'wq': x}, 'embed': y}."""
     out: dict = {}

@@ -29,9 +29,10 @@ w8a8 (opt-in) also quantizes each activation row to int8 (its max |x| onto 127) 
 the dot integer x integer, summed exactly in int32: XLA:CPU gives that to its integer
 matrix kernels, 2.6x faster than the weight-only product at 8 rows, 3x at 64 and 4.7x at 512
 (30 layers of the default model's matrices). The price is accuracy: one scale per row is
-coarse next to a row's outliers (the default model: teacher-forced agreement 0.90 against
-0.96 for int8 weights alone). Scales per 64 or 192 inputs were closer (0.95, 0.93) but their
-partial sums cost more than they saved (docs/performance.md).
+coarse next to a row's outlier channels, which models/smoothing.py moves into the weights at
+load (the default model: teacher-forced agreement 0.90 without it, 0.93-0.94 with it, 0.96
+for int8 weights alone). Scales per 64 or 192 inputs were closer (0.95, 0.93 unsmoothed) but
+their partial sums cost more than they saved (docs/performance.md).
 4-bit values are held one per int8 on CPU: XLA:CPU does not fuse the unpacking of two
 values from a byte into its matrix-vector product (packed int4, or nibbles unpacked with
 shifts and masks, run 9-15x slower than int8 at one row; measured), so packing would save
