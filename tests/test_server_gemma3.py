@@ -53,6 +53,9 @@ def test_chats_render_with_the_built_in_gemma_template(server, tokenizer):
     assert got["tokens"][:2] == [2, 105]  # one BOS, then <start_of_turn>
 
 
+# ~35 s; the tiny Gemma configs check per-layer windows against transformers in the default
+# run (tests/test_model_families.py), this one the real model's.
+@pytest.mark.slow
 def test_beyond_the_sliding_window_greedy_equals_transformers(client, gemma3_gguf, tokenizer):
     import transformers
 
