@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import gc
 import logging
 import time
 from pathlib import Path
@@ -114,9 +116,22 @@ def load_model(path: str | Path, dtype: str | None = None,
         params = repeat_kv_heads(params, repeats, cfg.head_dim)
     model = build_model(run_cfg, params, jdtype, attention_backend, mesh, quant)
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+    del params
+    release_host_memory()
     logger.info("Loaded %s (%s, %s%s) in %.2fs", path, cfg.architecture,
                 jnp.dtype(jdtype).name, describe_quant(quant), time.perf_counter() - start)
     return model
+
+
+def release_host_memory() -> None:
+    """Give the heap's free pages back to the system after loading (glibc keeps them):
+    `w8a8` loads float weights and calibrates before quantizing, and without this the
+    process kept ~170 MiB of that (617 against 447 MiB after `load_model`)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def describe_quant(quant: dict) -> str:
