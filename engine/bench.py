@@ -82,8 +82,7 @@ def dense_seconds(runner: ModelRunner, num_tokens: int = 1, repeats: int = 30) -
     layers = nnx.to_pure_dict(nnx.state(model.layers))
     head = weight(model.top_params(), "embed" if cfg.tie_word_embeddings else "lm_head")
 
-    def linear(x, w, out_dtype=None):  # as the model runs its matmuls
-        return model.linear(x, w, out_dtype)
+    linear = model.linear  # as the model runs its matmuls
 
     @jax.jit
     def dense(layers, head, x):

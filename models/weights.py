@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 
 from models.config import ModelConfig
 from models.llama import QUANTIZABLE
@@ -146,23 +146,16 @@ def assemble_params(
     return nest(buffers)
 
 
-def quantize_params(params: dict, quant: dict[str, QuantFormat]) -> dict:
-    """Nested host float parameters -> the matrices in `quant` quantized (`name` and
-    `name_scale`[, `name_min`]), the rest as they are."""
-    flat = {".".join(path): v for path, v in _flatten(params)}
+def quantize_params(params: dict, quant: dict[str, QuantFormat], *, xp=np) -> dict:
+    """Nested float parameters -> the matrices in `quant` quantized (`name` and
+    `name_scale`[, `name_min`]), the rest as they are; on the host, or (xp=jnp, under jit)
+    on the device."""
+    flat = traverse_util.flatten_dict(params, sep=".")
     for name, fmt in quant.items():
-        parts = quantize(flat[name], fmt)
+        parts = quantize(flat[name], fmt, xp=xp)
         flat[name] = parts.pop("q").astype(fmt.storage_dtype())
         flat.update({f"{name}_{part}": value for part, value in parts.items()})
     return nest(flat)
-
-
-def _flatten(tree: dict, prefix: tuple = ()):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _flatten(value, (*prefix, key))
-        else:
-            yield (*prefix, key), value
 
 
 def nest(flat: dict[str, np.ndarray]) -> dict:
@@ -221,13 +214,7 @@ def random_model(cfg: ModelConfig, dtype, *, seed: int = 0, attention_backend: s
 
     def init():
         model = model_class(run_cfg.architecture)(run_cfg, dtype=dtype, rngs=nnx.Rngs(seed))
-        flat = nnx.to_flat_state(nnx.state(model))
-        flat = {".".join(map(str, path)): v[...] for path, v in flat}
-        for name, fmt in quant.items():
-            parts = quantize(flat[name], fmt, xp=jnp)
-            flat[name] = parts["q"].astype(fmt.storage_dtype())
-            flat[name + "_scale"] = parts["scale"]
-        return nest(flat)
+        return quantize_params(nnx.to_pure_dict(nnx.state(model)), quant, xp=jnp)
 
     shardings = None if mesh is None else param_shardings(run_cfg, mesh, quant)
     graphdef, state = nnx.split(abstract_model(run_cfg, dtype, attention_backend, mesh, quant))
