@@ -222,3 +222,15 @@ def test_quantized_checkpoint_round_trip(tmp_path):
         np.testing.assert_array_equal(GreedyDecoder(model, max_len=64).prompt_logits(ids), want)
         with pytest.raises(ValueError, match="float weights"):
             load_model(convert(src, tmp_path / "float"), quantization=scheme)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
+def test_random_weights_quantize_on_the_device(scheme):
+    from models.presets import preset_config
+    from models.weights import random_model
+
+    model = random_model(preset_config("tiny"), jnp.float32, quantization=scheme)
+    assert dict(model.quant)["layers.wq"] == quantization.scheme_format(scheme, "wq")
+    assert model.layers.wq[...].dtype == jnp.int8 and model.layers.wq[...].any()
+    if scheme == "int4":  # every part of the format, minimums included (they were left at 0)
+        assert model.layers.wq_min[...].any()
