@@ -86,13 +86,14 @@ def dense_seconds(runner: ModelRunner, num_tokens: int = 1, repeats: int = 30) -
 
     @jax.jit
     def dense(layers, head, x):
-        def layer(x, p):
+        def layer(x, idx):
+            p = model.layer_params(layers, idx)  # as the model reads its layers
             q, k, v = (linear(x, weight(p, w)) for w in ("wq", "wk", "wv"))
             x = x + linear(q, weight(p, "wo")) + k.mean() + v.mean()
             gate = jax.nn.silu(linear(x, weight(p, "w_gate")))
             return x + linear(gate * linear(x, weight(p, "w_up")), weight(p, "w_down")), None
 
-        x, _ = jax.lax.scan(layer, x, layers)
+        x, _ = jax.lax.scan(layer, x, jnp.arange(cfg.num_layers, dtype=jnp.int32))
         return linear(x, head, jnp.float32)
 
     x = jnp.ones((num_tokens, cfg.hidden_size), runner.dtype) * 0.01

@@ -47,6 +47,7 @@ from models.known_models import user_cache_dir
 from models.loader import load_config, resolve_dtype
 from models.registry import param_specs
 from models.sharding import sharded_config
+from ops import native
 from ops.attention import kv_token_bytes, resolve_kv_dtype
 
 logger = logging.getLogger(__name__)
@@ -217,7 +218,7 @@ _IRRELEVANT = {"model", "name", "max_waiting_requests", "seed", "enable_prefix_c
 def _code_digest() -> str:
     h = hashlib.sha256()
     for package in _PACKAGES:
-        for path in sorted((_ROOT / package).rglob("*.py")):
+        for path in sorted([*(_ROOT / package).rglob("*.py"), *(_ROOT / package).rglob("*.cc")]):
             h.update(str(path.relative_to(_ROOT)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
@@ -237,7 +238,8 @@ def fingerprint(config, graphdef, state, kv) -> str:
         jax.__version__, jaxlib.__version__, jax.default_backend(),
         repr([(d.platform, d.device_kind, d.id) for d in devices]),
         os.environ.get("XLA_FLAGS", ""), repr(jax.config.jax_enable_x64),
-        repr(jax.config.jax_default_matmul_precision), _code_digest(), repr(graphdef),
+        repr(jax.config.jax_default_matmul_precision), _code_digest(), native.identity(),
+        repr(graphdef),
         _abstract(state), _abstract(kv), repr(sorted(fields.items())),
     ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]

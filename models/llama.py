@@ -16,6 +16,7 @@ itself); shared layers stay here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,14 @@ from ops.attention import (
     resolve_backend,
     write_kv,
 )
-from ops.quantization import SCALE_DTYPE, QuantFormat, embedding, linear
+from ops.quantization import (
+    SCALE_DTYPE,
+    QuantFormat,
+    embedding,
+    linear,
+    runs_native,
+    stacked,
+)
 
 # llama.cpp's tensor names within `blk.{i}.` -> HF's within `model.layers.{i}.` (Llama).
 _GGUF_LAYER = {
@@ -133,7 +141,8 @@ class Llama(nnx.Module):
                 raise ValueError(f"{name!r} is not a quantizable parameter of this model")
             spec = specs[name]
             scale_shape = (*spec.shape[:-1], fmt.scale_columns(spec.shape[-1]))
-            specs[name] = dataclasses.replace(spec, init="zeros", dtype=fmt.storage_dtype())
+            specs[name] = dataclasses.replace(spec, shape=fmt.storage_shape(spec.shape),
+                                              init="zeros", dtype=fmt.storage_dtype())
             # Group scales split with their inputs; one scale per row is the same on every shard.
             axes = spec.axes if fmt.group else (*spec.axes[:-1], "row_scale")
             specs[name + "_scale"] = ParamSpec(scale_shape, axes, "ones", SCALE_DTYPE)
@@ -193,6 +202,9 @@ class Llama(nnx.Module):
         self.int8_activations = any(fmt.activations == 8 for fmt in (quant or {}).values())
         self.attention_backend = resolve_backend(attention_backend)  # "auto" -> the platform's
         self.mesh = mesh  # a tensor-parallel mesh (models/sharding.py), or None
+        # Quantized weight-only matmuls of a few float32 rows run in xlaserve's CPU kernel
+        # (ops/native) on one CPU device; elsewhere XLA's dot.
+        self.native_matmuls = runs_native(dtype, quant or {}, sharded=mesh is not None)
         params = {name: nnx.Param(_init(spec, rngs.params(), dtype))
                   for name, spec in self.param_specs(cfg, quant).items()}
         self.top_names = tuple(n for n in params if not n.startswith("layers."))
@@ -231,20 +243,16 @@ class Llama(nnx.Module):
                                      for kind in set(kinds)})
         period = _period(kinds)
 
+        at = functools.partial(self.layer_params, layer_params)
         if period == 1:
-            def layer(carry, xs):
-                p, idx = xs
-                return self.layer(*carry, p, idx, kinds[0], step), None
+            def layer(carry, idx):
+                return self.layer(*carry, at(idx), idx, kinds[0], step), None
 
             layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-            (x, cache), _ = jax.lax.scan(layer, (x, cache), (layer_params, layer_ids))
+            (x, cache), _ = jax.lax.scan(layer, (x, cache), layer_ids)
         else:
             # A period of layer kinds per iteration, each layer with its kind's static
             # window and RoPE; the layers past the last whole period follow the loop.
-            def at(idx):
-                return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, False),
-                                    layer_params)
-
             def group(carry, g):
                 for j in range(period):
                     idx = g * period + j
@@ -258,6 +266,17 @@ class Llama(nnx.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         return self.norm(x, top["final_norm"]), cache
+
+    def layer_params(self, stack: dict, idx) -> dict:
+        """Layer `idx`'s parameters from the stacked ones: each sliced, except quantized
+        matrices under the CPU kernel, which get the whole stack and the index
+        (ops.quantization.stacked)."""
+        matrices = {n for n in stack if n + "_scale" in stack} if self.native_matmuls else ()
+        parts = {n + suffix for n in matrices for suffix in ("_scale", "_min")}
+        p = {n: jax.lax.dynamic_index_in_dim(a, idx, 0, False)
+             for n, a in stack.items() if n not in matrices and n not in parts}
+        p.update({n: stacked(weight(stack, n), idx) for n in matrices})
+        return p
 
     # ---- the steps a family may override -----------------------------------------------
 
@@ -309,7 +328,7 @@ class Llama(nnx.Module):
 
     def linear(self, x, w, out_dtype=None):
         return linear(x, w, out_dtype, chunked=self.mesh is None,
-                      int8_activations=self.int8_activations)
+                      int8_activations=self.int8_activations, native=self.native_matmuls)
 
     # ---- the head ----------------------------------------------------------------------
 

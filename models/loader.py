@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models import checkpoint
@@ -19,8 +20,9 @@ from models.gguf_loader import gguf_config, load_gguf_params
 from models.hf_loader import load_hf_params
 from models.llama import Llama
 from models.sharding import param_shardings, repeat_kv_heads, sharded_config
-from models.weights import build_model, quant_plan, quantize_params
+from models.weights import build_model, pack_params, quant_plan, quantize_params
 from ops.attention import TENSOR_AXIS
+from ops.quantization import runs_native
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +116,9 @@ def load_model(path: str | Path, dtype: str | None = None,
     else:
         params, quant = load_host_params(path, cfg, jdtype, quantization)
         params = repeat_kv_heads(params, repeats, cfg.head_dim)
+    if runs_native(jdtype, quant, sharded=mesh is not None):  # 4-bit matrices two a byte
+        on_device = model_format(path) == "orbax"
+        params, quant = pack_params(params, quant, xp=jnp if on_device else np)
     model = build_model(run_cfg, params, jdtype, attention_backend, mesh, quant)
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
     del params
@@ -151,6 +156,7 @@ def weight_bytes(params) -> tuple[int, int]:
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         held += leaf.nbytes
         if not str(getattr(path[-1], "key", path[-1])).endswith(("_scale", "_min")):
-            as_float32 += leaf.size * 4
+            # uint8 holds two packed 4-bit values (ops/quantization.pack)
+            as_float32 += leaf.size * (8 if leaf.dtype == np.uint8 else 4)
     return held, as_float32
 

@@ -22,7 +22,15 @@ from models.config import ModelConfig
 from models.llama import QUANTIZABLE
 from models.progress import progress_bar
 from models.registry import model_class, param_specs
-from ops.quantization import QuantFormat, dequantize, quantize, scheme_format
+from ops.quantization import (
+    QuantFormat,
+    dequantize,
+    pack,
+    packed_formats,
+    quantize,
+    runs_native,
+    scheme_format,
+)
 
 
 class WeightError(ValueError):
@@ -158,6 +166,18 @@ def quantize_params(params: dict, quant: dict[str, QuantFormat], *, xp=np) -> di
     return nest(flat)
 
 
+def pack_params(params: dict, quant: dict[str, QuantFormat], *, xp=np
+                ) -> tuple[dict, dict[str, QuantFormat]]:
+    """Nested parameters with one value per int8 -> those of `packed_formats(quant)` packed
+    two a byte (ops/quantization.pack), and that plan."""
+    packed = packed_formats(quant)
+    flat = traverse_util.flatten_dict(params, sep=".")
+    for name, fmt in packed.items():
+        if fmt.packed and not quant[name].packed:
+            flat[name] = pack(flat[name], not fmt.has_min, xp=xp)
+    return nest(flat), packed
+
+
 def nest(flat: dict[str, np.ndarray]) -> dict:
     """{'layers.wq': x, 'embed': y} -> {'layers': {'wq': x}, 'embed': y}."""
     out: dict = {}
@@ -210,11 +230,14 @@ def random_model(cfg: ModelConfig, dtype, *, seed: int = 0, attention_backend: s
     from ops.attention import TENSOR_AXIS
 
     run_cfg = cfg if mesh is None else sharded_config(cfg, mesh.shape[TENSOR_AXIS])
-    quant = quant_plan(run_cfg, quantization)
+    plan = quant_plan(run_cfg, quantization)
+    packs = runs_native(dtype, plan, sharded=mesh is not None)
+    quant = packed_formats(plan) if packs else plan
 
     def init():
         model = model_class(run_cfg.architecture)(run_cfg, dtype=dtype, rngs=nnx.Rngs(seed))
-        return quantize_params(nnx.to_pure_dict(nnx.state(model)), quant, xp=jnp)
+        params = quantize_params(nnx.to_pure_dict(nnx.state(model)), plan, xp=jnp)
+        return pack_params(params, plan, xp=jnp)[0] if packs else params
 
     shardings = None if mesh is None else param_shardings(run_cfg, mesh, quant)
     graphdef, state = nnx.split(abstract_model(run_cfg, dtype, attention_backend, mesh, quant))

@@ -16,7 +16,18 @@ round their scales to it before quantizing, as llama.cpp does).
 
 How the matmul runs is chosen per static shape, from measurements on XLA:CPU (2-core Sapphire
 Rapids, the default model's matrices; docs/performance.md):
-- one row (a lone decode): the dequantization written as an elementwise function of [O, I]
+- up to NATIVE_MAX_ROWS rows of float32 on one CPU device: xlaserve's own kernel
+  (ops/native/qmatmul.cc, an XLA FFI custom call built on first use). It converts each
+  group's values to float in registers, multiplies in float32 (weight-only: no activation
+  quantization) and splits the output rows over XLA's intra-op threads. XLA's own one-row
+  product runs on one thread, and at 2-8 rows XLA materializes the dequantized matrix
+  before its dot (30 layers at 2 rows: 8.4 ms against 33.4). A model whose matmuls run
+  there (`runs_native`) holds its 4-bit matrices packed two values a byte in llama.cpp's
+  Q4 block layout (`pack`), which halves the bytes a lone decode reads (the default
+  model's 30 layers and head: 10.7-11.3 ms against 16.9-19.4 one value per int8). A layer
+  of a stacked matrix reaches the kernel as the whole stack and an index (`stacked`):
+  XLA copies a slice before a custom call reads it;
+- elsewhere, one row: the dequantization written as an elementwise function of [O, I]
   fuses into XLA's matrix-vector product, which then reads int8 instead of float32 (the
   default model's matmuls: 11.6 ms against 29.1 ms for float32 weights);
 - more rows: per-channel scales are applied to the dot's output. Group formats are
@@ -33,10 +44,11 @@ coarse next to a row's outlier channels, which models/smoothing.py moves into th
 load (the default model: teacher-forced agreement 0.90 without it, 0.93-0.94 with it, 0.96
 for int8 weights alone). Scales per 64 or 192 inputs were closer (0.95, 0.93 unsmoothed) but
 their partial sums cost more than they saved (docs/performance.md).
-4-bit values are held one per int8 on CPU: XLA:CPU does not fuse the unpacking of two
-values from a byte into its matrix-vector product (packed int4, or nibbles unpacked with
-shifts and masks, run 9-15x slower than int8 at one row; measured), so packing would save
-memory and cost speed. Other platforms store packed int4 / uint4.
+Without the kernel (no C++ compiler, no AVX-512, XLASERVE_NATIVE_KERNELS=0, a mesh, or
+bfloat16 activations), 4-bit values are held one per int8 on CPU: XLA:CPU does not fuse the
+unpacking of two values from a byte into its matrix-vector product (packed int4, or nibbles
+unpacked with shifts and masks, run 9-15x slower than int8 at one row; measured). Other
+platforms store packed int4 / uint4.
 """
 
 from __future__ import annotations
@@ -47,6 +59,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ops import native
+
 SCHEMES = ("int8", "int4", "w8a8")  # formats a float weight can be quantized to
 # --quantization: auto keeps the quantized blocks a GGUF file stores in a format above (and
 # leaves the rest in float), none makes every weight float, a scheme quantizes every matrix.
@@ -54,10 +68,12 @@ SCHEMES = ("int8", "int4", "w8a8")  # formats a float weight can be quantized to
 # per row, computed at each matmul), so the dots run integer x integer.
 CHOICES = ("auto", "none", *SCHEMES)
 INT4_GROUP = 32
+BLOCK = 32  # inputs per block of packed 4-bit values (`pack`)
 EIGHT_BIT_UNDER_INT4 = ("embed", "lm_head")  # as llama.cpp's Q4 files: the head stays 8-bit
 CHUNK_BYTES = 4 << 20  # the largest dequantized block at more than one row (measured: 0.25-16 MiB)
 SCALE_DTYPE = np.float16
 W8A8_MIN_ROWS = 2  # an int8 x int8 product of one row runs padded to this many
+NATIVE_MAX_ROWS = 8  # the most rows ops/native's kernel takes (more go to XLA's dot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +82,13 @@ class QuantFormat:
     group: int          # inputs per scale; 0: one scale per output row
     has_min: bool = False
     activations: int = 0  # 0: the matmul reads activations in the compute dtype; 8: int8
+    packed: bool = False  # 4 bits: two values a byte, uint8 [..., O, I / 2] (`pack`)
 
     def __post_init__(self):
         if (self.bits not in (4, 8) or self.group < 0 or (self.has_min and self.bits != 4)
                 or self.activations not in (0, 8)
-                or (self.activations and (self.bits, self.group) != (8, 0))):
+                or (self.activations and (self.bits, self.group) != (8, 0))
+                or (self.packed and (self.bits != 4 or self.group % BLOCK))):
             raise ValueError(f"unsupported quantization format {self}")
 
     def scale_columns(self, in_features: int) -> int:
@@ -82,11 +100,18 @@ class QuantFormat:
         return in_features // self.group
 
     def storage_dtype(self, platform: str | None = None):
-        """int8 for 8 bits, and for 4 bits on CPU (see the module docstring)."""
+        """int8 for 8 bits, and for 4 bits on CPU unless packed for the CPU kernel (see the
+        module docstring)."""
         platform = platform or jax.default_backend()
+        if self.packed:
+            return jnp.uint8
         if self.bits == 8 or platform == "cpu":
             return jnp.int8
         return jnp.uint4 if self.has_min else jnp.int4
+
+    def storage_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The values' array shape for a [..., O, I] matrix."""
+        return (*shape[:-1], shape[-1] // 2) if self.packed else tuple(shape)
 
     @property
     def name(self) -> str:
@@ -138,8 +163,31 @@ def quantize(w, fmt: QuantFormat, *, xp=np) -> dict:
     return {"q": q.reshape(w.shape), "scale": scale, **parts}
 
 
+def pack(q, symmetric: bool, *, xp=np):
+    """4-bit values int8 [..., O, I] -> uint8 [..., O, I / 2], llama.cpp's Q4 block layout:
+    in each block of 32 inputs, byte j holds input j in its low nibble and input j + 16 in
+    its high one. Symmetric values ([-8, 7]) are stored plus 8, as Q4_0 stores them."""
+    *lead, rows, cols = q.shape
+    blocks = q.reshape(*lead, rows, cols // BLOCK, 2, BLOCK // 2).astype(xp.int32)
+    if symmetric:
+        blocks = blocks + 8
+    return (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).astype(xp.uint8).reshape(
+        *lead, rows, cols // 2)
+
+
+def unpack(q, symmetric: bool, *, xp=jnp):
+    """`pack`'s inverse: uint8 [..., O, I / 2] -> int8 values [..., O, I]."""
+    *lead, rows, half = q.shape
+    blocks = q.reshape(*lead, rows, half // (BLOCK // 2), BLOCK // 2)
+    values = xp.concatenate([blocks & 15, blocks >> 4], axis=-1).astype(xp.int8)
+    return (values - 8 if symmetric else values).reshape(*lead, rows, 2 * half)
+
+
 def dequantize(q, scale, minimum=None, *, xp=jnp, dtype=jnp.float32):
-    """[..., O, I] values and [..., O, G] scales (and minimums) -> the float weight."""
+    """[..., O, I] values (or packed, uint8 [..., O, I / 2]) and [..., O, G] scales (and
+    minimums) -> the float weight."""
+    if q.dtype == xp.uint8:
+        q = unpack(q, minimum is None, xp=xp)
     *lead, rows, cols = q.shape
     groups = scale.shape[-1]
     w = q.reshape(*lead, rows, groups, cols // groups).astype(dtype)
@@ -150,20 +198,31 @@ def dequantize(q, scale, minimum=None, *, xp=jnp, dtype=jnp.float32):
 
 
 def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
-           int8_activations: bool = False) -> jax.Array:
-    """x [T, I] @ w [O, I]^T -> [T, O]. `w` is a float array or a dict {"q", "scale"[, "min"]}
-    (one layer's slice of a quantized parameter). `out_dtype`: accumulate and return in it
-    (float32 logits from bfloat16 activations). `chunked`: dequantize group formats in
-    blocks of at most CHUNK_BYTES at more than one row (off where a mesh splits the rows).
-    `int8_activations`: `w` is per-channel int8 and `x` is quantized to int8 per row (w8a8)."""
+           int8_activations: bool = False, native: bool = False) -> jax.Array:
+    """x [T, I] @ w [O, I]^T -> [T, O]. `w` is a float array or a dict {"q", "scale"[, "min"]}:
+    one layer's slice of a quantized parameter, or the whole stack [L, O, I] with its
+    "layer" index (`stacked`). `out_dtype`: accumulate and return in it (float32 logits
+    from bfloat16 activations). `chunked`: dequantize group formats in blocks of at most
+    CHUNK_BYTES at more than one row (off where a mesh splits the rows).
+    `int8_activations`: `w` is per-channel int8 and `x` is quantized to int8 per row (w8a8).
+    `native`: run xlaserve's CPU kernel where it serves (`native_fits`)."""
     dot = lambda a, b: jnp.dot(a, b.T, preferred_element_type=out_dtype)
+    if native and native_fits(x, w):
+        y = native_linear(x, w)
+        return y if out_dtype is None else y.astype(out_dtype)
+    if isinstance(w, dict) and "layer" in w:
+        w = {k: jax.lax.dynamic_index_in_dim(a, w["layer"], 0, False)
+             for k, a in w.items() if k != "layer"}
     if int8_activations:
         return _linear_w8a8(x, w, out_dtype or x.dtype)
     if not isinstance(w, dict):
         return dot(x, w)
     q, scale, minimum = w["q"], w["scale"], w.get("min")
-    group = q.shape[-1] // scale.shape[-1]
-    if group == q.shape[-1] and minimum is None:  # per-channel: scale the output
+    if q.dtype == jnp.uint8 and x.shape[0] == 1:  # packed: unpacked in the fused loop
+        q = unpack(q, minimum is None)
+    packed = q.dtype == jnp.uint8  # (dequantized below, a block at a time)
+    group = x.shape[-1] // scale.shape[-1]
+    if group == x.shape[-1] and minimum is None and not packed:  # per-channel: scale the output
         y = dot(x, q.astype(x.dtype))
         return y * scale[:, 0].astype(y.dtype)
     if x.shape[0] == 1:  # fused into the matrix-vector product (see the module docstring)
@@ -172,7 +231,7 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
         if minimum is not None:
             wf = wf + full(minimum)
         return dot(x, wf)
-    rows, cols = q.shape
+    rows, cols = q.shape[0], x.shape[-1]
     chunk = chunk_rows(rows, cols * jnp.dtype(x.dtype).itemsize) if chunked else rows
     if chunk == rows:
         return dot(x, dequantize(q, scale, minimum, dtype=x.dtype))
@@ -181,6 +240,63 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
     ys = jax.lax.map(lambda b: dot(x, dequantize(b["q"], b["scale"], b.get("min"),
                                                  dtype=x.dtype)), blocks)  # [O / C, T, C]
     return ys.transpose(1, 0, 2).reshape(x.shape[0], rows)
+
+
+def stacked(w: dict, layer) -> dict:
+    """Layer `layer` of a stacked quantized matrix as `linear` takes it, unsliced: a slice
+    handed to the CPU kernel (a custom call) would be copied first, 4.4 ms a token for
+    the default model's 30 layers (measured). `linear` slices it where XLA runs."""
+    return {**w, "layer": layer}
+
+
+def runs_native(dtype, quant: dict, *, sharded: bool) -> bool:
+    """Whether a model's quantized matmuls of a few rows run in ops/native's kernel: float32
+    activations, weight-only formats, one CPU device (XLA splits the matmuls under a
+    mesh), and a kernel that could be built here. Such a model also holds its 4-bit
+    matrices packed (`packed_formats`)."""
+    return bool(quant and not sharded and jnp.dtype(dtype) == jnp.float32
+                and not any(fmt.activations for fmt in quant.values())
+                and jax.default_backend() == "cpu" and native.available())
+
+
+def packed_formats(quant: dict) -> dict:
+    """`quant` with its 4-bit group formats packed two values a byte: the kernel reads half
+    the bytes of one value per int8 (the default model's matmuls at one row: 10.7-11.3 ms
+    against 16.9-19.4, measured), while XLA's own one-row product would unpack them 9-15x
+    slower, so only a model that `runs_native` packs them."""
+    return {name: dataclasses.replace(fmt, packed=True)
+            if fmt.bits == 4 and fmt.group and fmt.group % BLOCK == 0 else fmt
+            for name, fmt in quant.items()}
+
+
+def native_fits(x: jax.Array, w) -> bool:
+    """Whether ops/native's kernel takes this product: float32 rows, at most
+    NATIVE_MAX_ROWS of them, and a matrix of one-per-int8 values with float16 scales per
+    group of a multiple of 16 inputs (every format of SCHEMES but w8a8's, and GGUF's)."""
+    if (not isinstance(w, dict) or x.dtype != jnp.float32 or x.ndim != 2
+            or not 0 < x.shape[0] <= NATIVE_MAX_ROWS):
+        return False
+    q, scale = w["q"], w["scale"]
+    packed = q.dtype == jnp.uint8
+    groups, cols = scale.shape[-1], q.shape[-1] * (2 if packed else 1)
+    return ((packed or q.dtype == jnp.int8) and scale.dtype == jnp.float16
+            and cols == x.shape[1] and cols % groups == 0
+            and (cols // groups) % (BLOCK if packed else 16) == 0 and groups <= 1024
+            and q.ndim == (3 if "layer" in w else 2) and native.available())
+
+
+def native_linear(x: jax.Array, w: dict) -> jax.Array:
+    """x [T, I] float32 @ w^T -> [T, O] float32 through ops/native/qmatmul.cc."""
+    q, scale, minimum = w["q"], w["scale"], w.get("min")
+    layer = w.get("layer")
+    if layer is None:  # a matrix outside the stack (the LM head): a stack of one
+        q, scale, layer = q[None], scale[None], 0
+        minimum = None if minimum is None else minimum[None]
+    if minimum is None:
+        minimum = jnp.zeros((0,), jnp.float16)
+    call = jax.ffi.ffi_call(native.TARGET,
+                            jax.ShapeDtypeStruct((x.shape[0], q.shape[1]), jnp.float32))
+    return call(x, q, scale, minimum, jnp.asarray(layer, jnp.int32))
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -157,15 +157,24 @@ def test_default_model_keeps_its_gguf_blocks(default_gguf):
 
     model = load_model(default_gguf, quantization="int8")
     quant = dict(model.quant)
+    packed = model.native_matmuls  # on CPU with its kernel: 4-bit values two a byte
     assert quant["embed"] == QuantFormat(8, 32)          # Q8_0 in the file
-    assert quant["layers.w_up"] == QuantFormat(4, 32, True)  # Q4_1 in the file
-    assert model.layers.w_up[...].dtype == jnp.int8
+    assert quant["layers.w_up"] == QuantFormat(4, 32, True, packed=packed)  # Q4_1 in the file
+    assert model.layers.w_up[...].dtype == (jnp.uint8 if packed else jnp.int8)
+    assert model.layers.w_up[...].shape == (30, 1536, 576 // (2 if packed else 1))
     assert model.layers.w_up_min[...].shape == (30, 1536, 576 // 32)
-    # What the startup log reports: a byte per value plus, per 32 values, a float16 scale
-    # (Q8_0) or a scale and a minimum (Q4_1); the norms stay float32.
+    # What the startup log reports: per value a byte (or half of one, packed) plus, per 32
+    # values, a float16 scale (Q8_0) or a scale and a minimum (Q4_1); the norms stay float32.
     held, as_float32 = weight_bytes(nnx.to_pure_dict(nnx.state(model)))
-    assert as_float32 == 4 * sum(math.prod(s.shape) for s in param_specs(model.cfg).values())
-    assert 8.5 / 32 < held / as_float32 < 9 / 32 + 0.001
+    specs = param_specs(model.cfg)
+    assert as_float32 == 4 * sum(math.prod(s.shape) for s in specs.values())
+    want = 0
+    for name, spec in specs.items():
+        n, fmt = math.prod(spec.shape), quant.get(name)
+        want += 4 * n if fmt is None else (
+            n // (2 if fmt.packed else 1) + n // 32 * 2 * (2 if fmt.has_min else 1))
+    assert held == want
+    assert held / as_float32 < (0.18 if packed else 0.28)
 
 
 def test_engine_offers_the_quantization_choices():
@@ -203,6 +212,13 @@ def test_quantization_plans(default_gguf, tmp_path):
         QuantFormat(8, 0, activations=8)}
 
 
+def _as_held(scheme: str, model):
+    """`--quantization scheme`'s format for wq as `model` holds it: 4 bits packed where its
+    matmuls run in the CPU kernel (ops/quantization.runs_native)."""
+    fmt = quantization.scheme_format(scheme, "wq")
+    return quantization.packed_formats({"wq": fmt})["wq"] if model.native_matmuls else fmt
+
+
 def test_quantized_checkpoint_round_trip(tmp_path):
     from tiny_models import save_tiny_hf
 
@@ -217,7 +233,7 @@ def test_quantized_checkpoint_round_trip(tmp_path):
         want = GreedyDecoder(model, max_len=64).prompt_logits(ids)
         ckpt = convert(src, tmp_path / scheme, quantization=scheme)
         model = load_model(ckpt)
-        assert dict(model.quant)["layers.wq"] == quantization.scheme_format(scheme, "wq")
+        assert dict(model.quant)["layers.wq"] == _as_held(scheme, model)
         assert model.int8_activations == (scheme == "w8a8")
         np.testing.assert_array_equal(GreedyDecoder(model, max_len=64).prompt_logits(ids), want)
         with pytest.raises(ValueError, match="float weights"):
@@ -230,7 +246,9 @@ def test_random_weights_quantize_on_the_device(scheme):
     from models.weights import random_model
 
     model = random_model(preset_config("tiny"), jnp.float32, quantization=scheme)
-    assert dict(model.quant)["layers.wq"] == quantization.scheme_format(scheme, "wq")
-    assert model.layers.wq[...].dtype == jnp.int8 and model.layers.wq[...].any()
+    assert dict(model.quant)["layers.wq"] == _as_held(scheme, model)
+    assert model.layers.wq[...].dtype == (jnp.uint8 if _as_held(scheme, model).packed
+                                          else jnp.int8)
+    assert model.layers.wq[...].any()
     if scheme == "int4":  # every part of the format, minimums included (they were left at 0)
         assert model.layers.wq_min[...].any()

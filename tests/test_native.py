@@ -1,0 +1,150 @@
+"""xlaserve's CPU kernel (ops/native/qmatmul.cc) against its reference, XLA's own quantized
+matmul (ops/quantization.linear with native=False): every format it takes, one layer of a
+stack or a lone matrix, 1 to 8 rows; the shapes it refuses; the fallback where it cannot be
+built; and whole models with it on and off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_models import save_tiny_hf
+
+from models.generate import GreedyDecoder
+from models.gguf_loader import repack
+from models.loader import load_model
+from ops import native
+from ops.quantization import (
+    NATIVE_MAX_ROWS,
+    QuantFormat,
+    linear,
+    native_fits,
+    pack,
+    quantize,
+    scheme_format,
+    stacked,
+    unpack,
+)
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason=f"CPU kernels unavailable: {native.reason()}")
+
+T = gguf.GGMLQuantizationType
+
+
+def _gguf(tensor_type):
+    def make(w):
+        return repack(gguf.quants.quantize(w, tensor_type).reshape(-1), tensor_type, w.shape)
+    return make
+
+
+FORMATS = {
+    "Q4_1": _gguf(T.Q4_1), "Q4_0": _gguf(T.Q4_0), "Q8_0": _gguf(T.Q8_0),
+    "int4 group 32": lambda w: quantize(w, scheme_format("int4")),
+    "int4 group 128": lambda w: quantize(w, QuantFormat(4, 128)),
+    "int8 per channel": lambda w: quantize(w, scheme_format("int8")),
+}
+
+
+def _stack(make, rows, cols, layers=3, seed=0, packed=False):
+    rng = np.random.default_rng(seed)
+    mats = [make((rng.standard_normal((rows, cols)) * rng.uniform(0.1, 2, (rows, 1)))
+                 .astype(np.float32)) for _ in range(layers)]
+    if packed:
+        mats = [{**m, "q": pack(m["q"], "min" not in m)} for m in mats]
+    return jax.tree.map(lambda *a: jnp.asarray(np.stack(a)), *mats)
+
+
+CASES = [(fmt, False) for fmt in FORMATS] + [
+    (fmt, True) for fmt in FORMATS if fmt.startswith(("Q4", "int4"))]
+
+
+@pytest.mark.parametrize("fmt,packed", CASES,
+                         ids=[f"{f}{' packed' if p else ''}" for f, p in CASES])
+@pytest.mark.parametrize("rows,cols", [(200, 256), (64, 1536)])  # 200: not a multiple of 32
+def test_kernel_matches_xla(fmt, packed, rows, cols):
+    stack = _stack(FORMATS[fmt], rows, cols, packed=packed)
+    values = _stack(FORMATS[fmt], rows, cols)  # the same matrices, one value per int8
+    if packed:
+        np.testing.assert_array_equal(np.asarray(unpack(stack["q"], "min" not in stack)),
+                                      np.asarray(values["q"]))
+    rng = np.random.default_rng(1)
+    run = jax.jit(lambda x, w, layer: linear(x, stacked(w, layer), native=True))
+    for t in (1, 2, 3, 4, 5, 8):
+        x = jnp.asarray(rng.standard_normal((t, cols)).astype(np.float32))
+        for layer in (0, 2):
+            one = jax.tree.map(lambda a, i=layer: a[i], stack)
+            want = np.asarray(linear(x, jax.tree.map(lambda a, i=layer: a[i], values)))
+            scale = np.abs(want).max()
+            # XLA's own path reads packed values too (more rows than the kernel takes)
+            np.testing.assert_allclose(np.asarray(linear(x, one)), want, rtol=0,
+                                       atol=2e-6 * scale)
+            assert native_fits(x, stacked(stack, layer)) and native_fits(x, one)
+            got = np.asarray(run(x, stack, jnp.int32(layer)))
+            alone = np.asarray(jax.jit(lambda x, w: linear(x, w, native=True))(x, one))
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)
+            np.testing.assert_allclose(alone, want, rtol=0, atol=2e-6 * scale)
+
+
+def test_what_the_kernel_refuses_goes_to_xla():
+    stack = _stack(FORMATS["Q4_1"], 64, 256)
+    rng = np.random.default_rng(2)
+    many = jnp.asarray(rng.standard_normal((NATIVE_MAX_ROWS + 1, 256)).astype(np.float32))
+    assert not native_fits(many, stacked(stack, 1))
+    assert not native_fits(many[:1].astype(jnp.bfloat16), stacked(stack, 1))
+    assert not native_fits(many[:1], jnp.ones((64, 256)))  # float weights
+    one = jax.tree.map(lambda a: a[1], stack)
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(lambda x, w: linear(x, stacked(w, 1), native=True))(many, stack)),
+        np.asarray(linear(many, one)), rtol=1e-6, atol=1e-5)
+
+
+def test_kernel_rejects_a_layer_outside_the_stack():
+    stack = _stack(FORMATS["int4 group 32"], 32, 64, layers=2)
+    x = jnp.ones((1, 64), jnp.float32)
+    with pytest.raises(Exception, match="layer out of range"):
+        jax.jit(lambda x, w: linear(x, stacked(w, 2), native=True))(x, stack).block_until_ready()
+
+
+def test_without_a_compiler_xla_runs_instead(tmp_path):
+    """A machine where the kernel cannot be built (here: a compiler that always fails, an
+    empty kernel cache) loads models and computes the same products through XLA."""
+    code = (
+        "import jax, jax.numpy as jnp, numpy as np\n"
+        "from ops import native\n"
+        "from ops.quantization import linear, quantize, scheme_format\n"
+        "assert not native.available() and native.identity() == 'off'\n"
+        "print('reason:', native.reason())\n"
+        "w = quantize(np.ones((32, 64), np.float32), scheme_format('int4'))\n"
+        "y = linear(jnp.ones((1, 64), jnp.float32), jax.tree.map(jnp.asarray, w), native=True)\n"
+        "assert np.allclose(np.asarray(y), 64.0, rtol=1e-3), y\n")
+    for env in ({"CXX": "false"}, {"XLASERVE_NATIVE_KERNELS": "0"}):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env},
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert done.returncode == 0, done.stderr
+        assert ("compiler 'false' does not run" if "CXX" in env
+                else "XLASERVE_NATIVE_KERNELS=0") in done.stdout
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_models_decode_alike_with_and_without_the_kernel(family, tmp_path):
+    """Greedy tokens equal and logits within float error, kernel on and off, for a stacked
+    family and one scanned a period of layer kinds at a time (Gemma 3)."""
+    path = save_tiny_hf(tmp_path, family=family)
+    on = load_model(path, dtype="float32", quantization="int4")
+    assert on.native_matmuls
+    off = load_model(path, dtype="float32", quantization="int4")
+    off.native_matmuls = False
+    prompt = [5, 17, 3, 99, 42, 7, 150, 23]
+    tokens_on, logits_on = GreedyDecoder(on, max_len=64).generate(prompt, 12)
+    tokens_off, logits_off = GreedyDecoder(off, max_len=64).generate(prompt, 12)
+    assert tokens_on == tokens_off
+    np.testing.assert_allclose(logits_on, logits_off, rtol=0,
+                               atol=1e-4 * np.abs(logits_off).max())
