@@ -23,10 +23,12 @@ Rapids, the default model's matrices; docs/performance.md):
   product runs on one thread, and at 2-8 rows XLA materializes the dequantized matrix
   before its dot (30 layers at 2 rows: 8.4 ms against 33.4). A model whose matmuls run
   there (`runs_native`) holds its 4-bit matrices packed two values a byte in llama.cpp's
-  Q4 block layout (`pack`), which halves the bytes a lone decode reads (the default
-  model's 30 layers and head: 10.7-11.3 ms against 16.9-19.4 one value per int8). A layer
-  of a stacked matrix reaches the kernel as the whole stack and an index (`stacked`):
-  XLA copies a slice before a custom call reads it;
+  Q4 block layout (`pack`): half the memory, and half the bytes a lone decode reads (the
+  default model's 30 layers and head at one row: 9.6-11.3 ms against 12.0-12.7 one value
+  per int8; its weights fit this machine's L3, a larger model's would not). Above the
+  kernel's rows XLA reads them too (`_packed_linear`), ~10% slower than one value per
+  int8. A layer of a stacked matrix reaches the kernel as the whole stack and an index
+  (`stacked`): XLA copies a slice before a custom call reads it;
 - elsewhere, one row: the dequantization written as an elementwise function of [O, I]
   fuses into XLA's matrix-vector product, which then reads int8 instead of float32 (the
   default model's matmuls: 11.6 ms against 29.1 ms for float32 weights);
@@ -291,10 +293,9 @@ def runs_native(dtype, quant: dict, *, sharded: bool) -> bool:
 
 
 def packed_formats(quant: dict) -> dict:
-    """`quant` with its 4-bit group formats packed two values a byte: the kernel reads half
-    the bytes of one value per int8 (the default model's matmuls at one row: 10.7-11.3 ms
-    against 16.9-19.4, measured), while XLA's own one-row product would unpack them 9-15x
-    slower, so only a model that `runs_native` packs them."""
+    """`quant` with its 4-bit group formats packed two values a byte (see the module
+    docstring). XLA's own one-row product would unpack them 9-15x slower than it reads one
+    value per int8, so only a model that `runs_native` packs them."""
     return {name: dataclasses.replace(fmt, packed=True)
             if fmt.bits == 4 and fmt.group and fmt.group % BLOCK == 0 else fmt
             for name, fmt in quant.items()}
