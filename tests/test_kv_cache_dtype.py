@@ -149,7 +149,11 @@ def test_engine_writes_prefix_hits_and_preemption_equal_plain_decode(default_ggu
     # moves the values after it enough to flip more: the two runs end up with different
     # draws of w8a8's rounding noise (KL 1.5e-2 from the float model). Four of these eight
     # prompts part, our token within 0.39 of plain's best and among its top 3.
-    close, tie = (3, 0.5) if quantization == "w8a8" else (2, 1e-3)
+    # int8 pages: a K/V value a float rounding from an int8 step boundary rounds the other
+    # way when the two runs sum a matmul in another order (the CPU kernel at up to 8 rows,
+    # XLA above), moving later logits by up to ~1e-2 (a 5.3e-3 tie parted one prompt).
+    close, tie = ((3, 0.5) if quantization == "w8a8" else
+                  (2, 1e-2) if kv_dtype == "int8" else (2, 1e-3))
     for out in outs:
         want, logits = plain.generate(out.prompt_token_ids, p.max_tokens)
         got = out.outputs[0].token_ids

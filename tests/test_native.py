@@ -76,7 +76,7 @@ def test_kernel_matches_xla(fmt, packed, rows, cols):
                                       np.asarray(values["q"]))
     rng = np.random.default_rng(1)
     run = jax.jit(lambda x, w, layer: linear(x, stacked(w, layer), native=True))
-    for t in (1, 2, 3, 4, 5, 8):
+    for t in (1, 3, 5, 8):  # the kernel tiles rows by 4: 1, 3, 4 + 1, 4 + 4
         x = jnp.asarray(rng.standard_normal((t, cols)).astype(np.float32))
         for layer in (0, 2):
             one = jax.tree.map(lambda a, i=layer: a[i], stack)

@@ -103,8 +103,9 @@ def reason() -> str | None:
 
 
 def identity() -> str:
-    """What a compiled step's custom calls refer to: the library's name, or "off"."""
-    return Path(_state["library"]._name).name if available() else "off"
+    """What a compiled step's custom calls refer to: the loaded library's name, or "off"
+    (builds nothing: a model that uses the kernel loaded it first)."""
+    return Path(_state["library"]._name).name if "library" in _state else "off"
 
 
 def _load() -> dict:
