@@ -450,6 +450,12 @@ def _pallas_tpu(*args, **kw):
     return pallas_tpu_ragged_paged_attention(*args, **kw)
 
 
+def _cpu(*args, **kw):
+    from ops.cpu_attention import cpu_ragged_paged_attention
+
+    return cpu_ragged_paged_attention(*args, **kw)
+
+
 def _pallas(*args, **kw):
     """The Pallas kernel made for the platform we run on: the Mosaic TPU kernel on TPUs, the
     GPU (Triton) kernel elsewhere. Off their platform both run in Pallas interpret mode."""
@@ -460,6 +466,7 @@ def _pallas(*args, **kw):
 # hence the deferred imports above).
 _BACKENDS = {
     "reference": ref_ragged_paged_attention,
+    "cpu": _cpu,
     "pallas": _pallas,
     "pallas-gpu": _pallas_gpu,
     "pallas-tpu": _pallas_tpu,
@@ -494,8 +501,9 @@ def resolve_backend(backend: str, device=None) -> str:
     """`auto` is the best implementation for `device` (default: the first device): the
     Mosaic TPU kernel on a TPU; the Triton kernel on an NVIDIA GPU of compute capability
     8.0 or newer (on an H100 it beat the XLA-compiled reference on every mixed batch and on
-    large decode batches, see docs/performance.md); the reference on CPU (where Pallas only
-    interprets) and on GPUs the Triton kernel does not serve (older NVIDIA, ROCm)."""
+    large decode batches, see docs/performance.md); on CPU our own kernel (ops/native, where
+    it could be built; Pallas only interprets there); else the reference (and on GPUs the
+    Triton kernel does not serve: older NVIDIA, ROCm)."""
     check_backend(backend)
     if backend != "auto":
         return backend
@@ -503,7 +511,9 @@ def resolve_backend(backend: str, device=None) -> str:
     if device.platform == "tpu":
         return "pallas-tpu"
     if device.platform == "cpu":
-        return "reference"
+        from ops import native
+
+        return "cpu" if native.available() else "reference"
     cc = _compute_capability(device)
     return "pallas-gpu" if cc is not None and cc >= TRITON_MIN_COMPUTE_CAPABILITY else "reference"
 

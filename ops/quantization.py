@@ -326,7 +326,7 @@ def native_linear(x: jax.Array, w: dict) -> jax.Array:
         minimum = None if minimum is None else minimum[None]
     if minimum is None:
         minimum = jnp.zeros((0,), jnp.float16)
-    call = jax.ffi.ffi_call(native.TARGET,
+    call = jax.ffi.ffi_call(native.QMATMUL,
                             jax.ShapeDtypeStruct((x.shape[0], q.shape[1]), jnp.float32))
     return call(x, q, scale, minimum, jnp.asarray(layer, jnp.int32))
 

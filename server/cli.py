@@ -71,10 +71,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="past this many waiting requests, new ones get 429")
     p.add_argument("--attention-backend", default="auto",
-                   choices=("auto", "reference", "pallas", "pallas-gpu", "pallas-tpu"),
-                   help="auto: pallas on a GPU or TPU, reference on CPU; reference: pure JAX; "
-                        "pallas: the Pallas kernel for this platform (interpreted on CPU); "
-                        "pallas-gpu/pallas-tpu force one kernel")
+                   choices=("auto", "reference", "cpu", "pallas", "pallas-gpu", "pallas-tpu"),
+                   help="auto: pallas on a GPU or TPU, cpu on CPU (reference where our CPU "
+                        "kernels cannot be built); reference: pure JAX; cpu: xlaserve's CPU "
+                        "kernel; pallas: the Pallas kernel for this platform (interpreted on "
+                        "CPU); pallas-gpu/pallas-tpu force one kernel")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split each model over this many devices (heads, MLP, vocabulary)")
     p.add_argument("--coordinator-address", metavar="HOST:PORT",

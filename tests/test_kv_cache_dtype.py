@@ -15,8 +15,9 @@ from attention_cases import LAYER, make_case, oracle, rel_err
 from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from ops import attention
+from ops import attention, native
 from ops.attention import KVCache, ref_ragged_paged_attention, resolve_kv_dtype
+from ops.cpu_attention import cpu_ragged_paged_attention
 from ops.pallas_gpu_attention import pallas_gpu_ragged_paged_attention
 from ops.pallas_tpu_attention import pallas_tpu_ragged_paged_attention
 
@@ -45,6 +46,7 @@ def test_auto_and_refusals_by_platform():
 
 KERNELS = {
     "reference": ref_ragged_paged_attention,
+    "cpu": cpu_ragged_paged_attention,
     "pallas-gpu": pallas_gpu_ragged_paged_attention,  # interpreted on CPU
     "pallas-tpu": pallas_tpu_ragged_paged_attention,  # interpreted on CPU
 }
@@ -57,6 +59,9 @@ def _page_size(kernel: str, kv_dtype) -> int:
 
 @pytest.mark.parametrize("kernel, kv_dtype", [
     ("reference", "float16"), ("reference", "bfloat16"), ("reference", "float8_e4m3fn"),
+    *(pytest.param("cpu", t, marks=pytest.mark.skipif(not native.available(),
+                                                     reason="CPU kernels unavailable"))
+      for t in ("float16", "bfloat16")),  # fp8: refused on CPU (above)
     ("pallas-gpu", "float16"), ("pallas-gpu", "bfloat16"), ("pallas-gpu", "float8_e4m3fn"),
     ("pallas-tpu", "bfloat16"), ("pallas-tpu", "float8_e4m3fn"),  # float16: refused, below
 ])
@@ -83,8 +88,8 @@ def test_tpu_kernel_refuses_float16_pages():
 def test_int8_pages_round_trip_through_writes_with_their_scales():
     """int8 pages hold each written token's K/V to within half a step of its own scale (max |x|
     / 127 per token and KV head), and the reference attention over them equals attention over
-    the dequantized values in float32 pages, as do the Pallas GPU and TPU kernels
-    (interpreted; 32-token pages, the TPU kernel's least for 8-bit pages)."""
+    the dequantized values in float32 pages, as do the CPU kernel and the Pallas GPU and TPU
+    kernels (interpreted; 32-token pages, the TPU kernel's least for 8-bit pages)."""
     case = make_case("mixed", num_kv_heads=2, group=2, head_dim=64, page_size=32)
     shape = case.cache.k.shape
     cache = KVCache.zeros(*shape, jnp.int8)
@@ -101,7 +106,7 @@ def test_int8_pages_round_trip_through_writes_with_their_scales():
         (cache.k, cache.k_scale), (cache.v, cache.v_scale))))
     wrote = KVCache(case.cache.k.at[LAYER, page, offset].set(k),
                     case.cache.v.at[LAYER, page, offset].set(v))
-    for kernel in ("reference", "pallas-gpu", "pallas-tpu"):
+    for kernel in ("reference", "pallas-gpu", "pallas-tpu") + ("cpu",) * native.available():
         out = KERNELS[kernel](case.q, cache, LAYER, case.md, sm_scale=0.125)
         assert rel_err(out, oracle(case.q, dequantized, LAYER, case.md, sm_scale=0.125)) < 1e-5
         assert rel_err(out, oracle(case.q, wrote, LAYER, case.md, sm_scale=0.125)) < 2e-2

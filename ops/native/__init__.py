@@ -1,12 +1,15 @@
 """xlaserve's own CPU kernels (XLA FFI custom calls), built from source on first use.
 
-One kernel today, `qmatmul.cc`: a quantized matrix times a few rows of float32 activations
-(see its header, and ops/quantization.linear for when it runs). It is compiled with the
-machine's C++ compiler for the machine's own CPU (`-march=native`) into the user cache,
-keyed by the source, the compiler, the CPU's features and jaxlib's FFI headers, then
-registered with XLA. Where it cannot be built (no compiler, a CPU without AVX-512) or is
+Two kernels, each a source file here with its reasons in its header: `qmatmul.cc`, a
+quantized matrix times a few rows of float32 activations (ops/quantization.linear says
+when it runs), and `attention.cc`, ragged paged attention over the KV pool
+(ops/cpu_attention.py). They are compiled together with the machine's C++ compiler for the
+machine's own CPU (`-march=native`) into one library in the user cache, keyed by the
+sources, the compiler, the CPU's features and jaxlib's FFI headers, then registered with
+XLA. Where it cannot be built (no compiler, a CPU without AVX-512) or is
 turned off (`XLASERVE_NATIVE_KERNELS=0`), `available()` is False, the reason is logged
-once, and the pure-XLA path runs instead: same results up to float summation order.
+once, and the pure-XLA paths run instead (XLA's dot, the reference attention): same
+results up to float summation order.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import jax
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("qmatmul.cc")
-TARGET = "xlaserve_qmatmul"  # the custom call's name
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("qmatmul.cc", "attention.cc"))
+QMATMUL = "xlaserve_qmatmul"  # the custom calls' names
+ATTENTION = "xlaserve_attention"
+_SYMBOLS = {QMATMUL: "XlaserveQMatmul", ATTENTION: "XlaserveAttention"}  # name -> handler
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 _lock = threading.Lock()
@@ -65,10 +70,10 @@ def _build() -> Path:
         raise RuntimeError(f"the C++ compiler {' '.join(cxx)!r} does not run")
     include = jax.ffi.include_dir()
     key = hashlib.sha256("\0".join([
-        SOURCE.read_text(), " ".join(cxx), version.stdout, " ".join(FLAGS), _cpu_features(),
-        include, *(p.read_text() for p in sorted(Path(include, "xla/ffi/api").glob("*.h"))),
+        *(source.read_text() for source in SOURCES), " ".join(cxx), version.stdout,
+        " ".join(FLAGS), _cpu_features(), include, *(p.read_text() for p in sorted(Path(include, "xla/ffi/api").glob("*.h"))),
     ]).encode()).hexdigest()[:24]
-    out = _cache_dir() / f"qmatmul-{key}.so"
+    out = _cache_dir() / f"xlaserve-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +82,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        done = subprocess.run([*cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp],
+        done = subprocess.run([*cxx, *FLAGS, f"-I{include}", *map(str, SOURCES), "-o", tmp],
                               capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cxx)} failed: {done.stderr.strip()[-2000:]}")
@@ -116,8 +121,9 @@ def _load() -> dict:
     try:
         path = _build()
         library = ctypes.CDLL(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.XlaserveQMatmul),
-                                    platform="cpu")
+        for name, symbol in _SYMBOLS.items():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
+                                        platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("xlaserve's CPU kernels are off, XLA's matmuls run instead: %s", e)
         return {"reason": str(e)}

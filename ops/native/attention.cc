@@ -1,0 +1,321 @@
+// Copyright 2026 The xlaserve Authors. SPDX-License-Identifier: Apache-2.0
+//
+// Ragged paged attention on CPU, as an XLA FFI custom call (ops/native/__init__.py builds
+// and registers it; ops/cpu_attention.py calls it; ops/attention.py documents the layout).
+//
+// One step is T query rows of S sequences laid end to end; sequence s owns rows
+// qsl[s]:qsl[s + 1], its KV is kv_lens[s] long (this step's tokens included: they were
+// written before this call) and lives in the pages page_tables[s]. The pool of one layer l
+// of the stack is read in place: k, v [L, P, page, Hkv, D] in float32, float16, bfloat16 or
+// int8 (with a float32 scale per token and KV head, [L, P, page, Hkv]).
+//
+// Why a kernel of our own: XLA:CPU runs the pure-JAX reference as gathers, small batched
+// dots and a loop of whole-array elementwise passes, and a 64-row decode step spent about
+// half its time there (docs/performance.md). Here each work item, one sequence's block of
+// up to kMaxQueries query vectors (rows x the query heads of one KV head), reads its keys
+// and values once, 16 at a time, converts them to float32 in registers, and folds them into
+// an online softmax in float32: the scores of a key block are one vector, their exp is
+// vectorised, and nothing beyond a row's own keys (causal, sliding window) is read. Work
+// items are handed to the caller and XLA's intra-op threads alike.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__F16C__)
+#error "xlaserve's CPU kernels need AVX-512 (F, BW, VL) and F16C"
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kKeys = 16;          // keys per block: one vector of scores
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxQueries = 48;    // query vectors per work item (rows x group)
+constexpr int64_t kInlineWork = 1 << 15;  // query-key pairs below which one thread does all
+
+enum class Pages { kF32, kF16, kBF16, kI8 };
+
+// exp(x) for 16 floats: Cephes' expf polynomial on [-ln2 / 2, ln2 / 2], times 2^n.
+inline __m512 Exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// out[j] = the sum of v[j]'s 16 lanes, j < 16 (a transposing tree: 45 instructions, not 16
+// horizontal reductions).
+inline __m512 Sums16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: keys 2i, 2i + 1, 2i, 2i + 1
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: keys 4i .. 4i + 3
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+struct Problem {
+  const float* q;          // [T, H, D]
+  const void* k;           // [L, P, page, Hkv, D]
+  const void* v;
+  const float* k_scale;    // [L, P, page, Hkv] (int8 pages), else null
+  const float* v_scale;
+  const int32_t* qsl;      // [S + 1]
+  const int32_t* kv_lens;  // [S]
+  const int32_t* tables;   // [S, max_pages]
+  float* out;              // [T, H, D]
+  int64_t T, H, Hkv, D, S, max_pages, page_size, num_pages, layer;
+  float sm_scale, soft_cap;  // soft_cap 0: none
+  int64_t window;            // 0: none
+};
+
+struct Item {
+  int64_t seq, row0, rows, head;  // query rows [row0, row0 + rows) of seq; its KV head
+};
+
+// One token's K or V of one KV head, as D floats in `dst`.
+template <Pages kPages>
+inline void Load(const void* pool, const float* scales, int64_t vec, int64_t D, float* dst) {
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 x;
+    if constexpr (kPages == Pages::kF32) {
+      x = _mm512_loadu_ps(static_cast<const float*>(pool) + vec * D + d);
+    } else if constexpr (kPages == Pages::kF16) {
+      x = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(pool) + vec * D + d)));
+    } else if constexpr (kPages == Pages::kBF16) {
+      x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(pool) + vec * D + d))), 16));
+    } else {
+      x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                            reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(pool) +
+                                                             vec * D + d)))),
+                        _mm512_set1_ps(scales[vec]));
+    }
+    _mm512_store_ps(dst + d, x);
+  }
+}
+
+template <Pages kPages>
+void RunItem(const Problem& p, const Item& it) {
+  const int64_t D = p.D, G = p.H / p.Hkv, M = it.rows * G;
+  const int64_t start = p.qsl[it.seq];
+  const int64_t kv_len = std::min<int64_t>(p.kv_lens[it.seq], p.max_pages * p.page_size);
+  const int64_t first_pos = kv_len - (p.qsl[it.seq + 1] - start);  // of the sequence's row 0
+  const int32_t* table = p.tables + it.seq * p.max_pages;
+  alignas(64) float qs[kMaxQueries * kMaxHeadDim], acc[kMaxQueries * kMaxHeadDim];
+  alignas(64) float kf[kKeys * kMaxHeadDim], vf[kKeys * kMaxHeadDim], weights[kKeys];
+  float m[kMaxQueries], l[kMaxQueries];
+  int32_t lo[kMaxQueries], hi[kMaxQueries];  // each query's visible keys [lo, hi)
+  for (int64_t i = 0; i < it.rows; ++i) {
+    const int64_t row = it.row0 + i, pos = first_pos + row - start;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t x = i * G + g;
+      const float* src = p.q + (row * p.H + it.head * G + g) * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        _mm512_store_ps(qs + x * D + d,
+                        _mm512_mul_ps(_mm512_loadu_ps(src + d), _mm512_set1_ps(p.sm_scale)));
+        _mm512_store_ps(acc + x * D + d, _mm512_setzero_ps());
+      }
+      m[x] = -std::numeric_limits<float>::infinity();
+      l[x] = 0.0f;
+      hi[x] = static_cast<int32_t>(std::max<int64_t>(pos + 1, 0));
+      lo[x] = static_cast<int32_t>(p.window > 0 ? std::max<int64_t>(pos - p.window + 1, 0) : 0);
+    }
+  }
+  const int64_t keys_end = hi[M - 1];  // rows are in order: the last sees the most keys
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t j0 = lo[0] / kKeys * kKeys; j0 < keys_end; j0 += kKeys) {
+    const int64_t n = std::min(kKeys, keys_end - j0);
+    for (int64_t j = 0; j < kKeys; ++j) {
+      if (j < n) {
+        int64_t page = table[(j0 + j) / p.page_size];
+        page = std::clamp<int64_t>(page, 0, p.num_pages - 1);  // never read outside the pool
+        const int64_t vec = ((p.layer * p.num_pages + page) * p.page_size +
+                             (j0 + j) % p.page_size) * p.Hkv + it.head;
+        Load<kPages>(p.k, p.k_scale, vec, D, kf + j * D);
+        Load<kPages>(p.v, p.v_scale, vec, D, vf + j * D);
+      } else {  // past the last key: zeros (their weights are 0; stale values could be NaN)
+        for (int64_t d = 0; d < D; d += 16) {
+          _mm512_store_ps(kf + j * D + d, _mm512_setzero_ps());
+          _mm512_store_ps(vf + j * D + d, _mm512_setzero_ps());
+        }
+      }
+    }
+    const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j0)), lane);
+    for (int64_t x = 0; x < M; ++x) {
+      if (hi[x] <= j0 || lo[x] >= j0 + kKeys) continue;  // none of this block is visible
+      __m512 part[kKeys];
+      for (int64_t j = 0; j < kKeys; ++j) part[j] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 qd = _mm512_load_ps(qs + x * D + d);
+        for (int64_t j = 0; j < kKeys; ++j)
+          part[j] = _mm512_fmadd_ps(qd, _mm512_load_ps(kf + j * D + d), part[j]);
+      }
+      __m512 s = Sums16(part);  // [16] scores
+      if (p.soft_cap > 0.0f) {
+        alignas(64) float sv[kKeys];
+        _mm512_store_ps(sv, s);
+        for (int64_t j = 0; j < kKeys; ++j) sv[j] = p.soft_cap * std::tanh(sv[j] / p.soft_cap);
+        s = _mm512_load_ps(sv);
+      }
+      const __mmask16 seen = _mm512_cmpge_epi32_mask(keys, _mm512_set1_epi32(lo[x])) &
+                             _mm512_cmplt_epi32_mask(keys, _mm512_set1_epi32(hi[x]));
+      const float m_next = std::max(m[x], _mm512_mask_reduce_max_ps(seen, s));
+      const float correction = std::exp(m[x] - m_next);  // 0 before the first key
+      const __m512 w = _mm512_maskz_mov_ps(seen, Exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_next))));
+      l[x] = l[x] * correction + _mm512_reduce_add_ps(w);
+      m[x] = m_next;
+      _mm512_store_ps(weights, w);
+      for (int64_t d = 0; d < D; d += 16) {
+        __m512 o = _mm512_mul_ps(_mm512_load_ps(acc + x * D + d), _mm512_set1_ps(correction));
+        for (int64_t j = 0; j < n; ++j)
+          o = _mm512_fmadd_ps(_mm512_set1_ps(weights[j]), _mm512_load_ps(vf + j * D + d), o);
+        _mm512_store_ps(acc + x * D + d, o);
+      }
+    }
+  }
+  for (int64_t i = 0; i < it.rows; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t x = i * G + g;
+      const __m512 inv = _mm512_set1_ps(l[x] > 0.0f ? 1.0f / l[x] : 0.0f);
+      float* dst = p.out + ((it.row0 + i) * p.H + it.head * G + g) * D;
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(acc + x * D + d), inv));
+    }
+  }
+}
+
+// Items handed out to the caller and the pool's threads alike. A thread that starts after
+// the last item was taken touches nothing; the caller returns once every item is done (the
+// shared state outlives it in the late tasks' hands).
+struct Work {
+  Problem p;
+  Pages pages;
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0}, done{0};
+  void Run() {
+    const int64_t num = static_cast<int64_t>(items.size());
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num;) {
+      switch (pages) {
+        case Pages::kF32: RunItem<Pages::kF32>(p, items[i]); break;
+        case Pages::kF16: RunItem<Pages::kF16>(p, items[i]); break;
+        case Pages::kBF16: RunItem<Pages::kBF16>(p, items[i]); break;
+        case Pages::kI8: RunItem<Pages::kI8>(p, items[i]); break;
+      }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+using Rows3 = ffi::Buffer<ffi::F32, 3>;     // q [T, H, D]
+using Ints1 = ffi::Buffer<ffi::S32, 1>;
+using Ints2 = ffi::Buffer<ffi::S32, 2>;
+using Index = ffi::Buffer<ffi::S32, 0>;
+using Out3 = ffi::ResultBuffer<ffi::F32, 3>;  // [T, H, D]
+
+ffi::Error Attention(ffi::ThreadPool pool, Rows3 q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                     ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, Ints1 qsl, Ints1 kv_lens,
+                     Ints2 tables, Index layer, float sm_scale, float soft_cap, int64_t window,
+                     Out3 out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
+  if (kd.size() != 5 || k.element_type() != v.element_type() ||
+      k.element_count() != v.element_count())
+    return ffi::Error::InvalidArgument("xlaserve_attention: k and v must be [L, P, page, Hkv, D]");
+  Pages pages;
+  switch (k.element_type()) {
+    case ffi::DataType::F32: pages = Pages::kF32; break;
+    case ffi::DataType::F16: pages = Pages::kF16; break;
+    case ffi::DataType::BF16: pages = Pages::kBF16; break;
+    case ffi::DataType::S8: pages = Pages::kI8; break;
+    default: return ffi::Error::InvalidArgument("xlaserve_attention: unsupported page dtype");
+  }
+  const int64_t T = qd[0], H = qd[1], D = qd[2], L = kd[0], Hkv = kd[3], S = kv_lens.dimensions()[0];
+  const bool scaled = pages == Pages::kI8;
+  if (kd[4] != D || D % 16 || D > kMaxHeadDim || Hkv < 1 || H % Hkv || H / Hkv > kMaxQueries ||
+      qsl.dimensions()[0] != S + 1 || td[0] != S || td[1] < 1)
+    return ffi::Error::InvalidArgument("xlaserve_attention: shapes do not agree");
+  if (scaled != (k_scale.element_count() != 0) ||
+      (scaled && (k_scale.element_type() != ffi::DataType::F32 ||
+                  v_scale.element_type() != ffi::DataType::F32 ||
+                  k_scale.element_count() * D != k.element_count() ||
+                  v_scale.element_count() != k_scale.element_count())))
+    return ffi::Error::InvalidArgument("xlaserve_attention: int8 pages need [L, P, page, Hkv] scales");
+  const int64_t l = *layer.typed_data();
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("xlaserve_attention: layer out of range");
+
+  auto work = std::make_shared<Work>();
+  work->p = Problem{q.typed_data(), k.untyped_data(), v.untyped_data(),
+                    scaled ? static_cast<const float*>(k_scale.untyped_data()) : nullptr,
+                    scaled ? static_cast<const float*>(v_scale.untyped_data()) : nullptr,
+                    qsl.typed_data(), kv_lens.typed_data(), tables.typed_data(),
+                    out->typed_data(), T, H, Hkv, D, S, td[1], kd[2], kd[1], l,
+                    sm_scale, soft_cap, window};
+  work->pages = pages;
+  const int32_t* starts = qsl.typed_data();
+  const int64_t group = H / Hkv, block_rows = std::max<int64_t>(1, kMaxQueries / group);
+  // Rows no sequence owns (padding) are zeros.
+  float* o = out->typed_data();
+  const int64_t first = std::clamp<int64_t>(starts[0], 0, T), last = std::clamp<int64_t>(starts[S], first, T);
+  std::fill(o, o + first * H * D, 0.0f);
+  std::fill(o + last * H * D, o + T * H * D, 0.0f);
+  int64_t pairs = 0;  // query-key pairs, to judge whether threads pay
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t r0 = std::max<int64_t>(starts[s], first), r1 = std::min<int64_t>(starts[s + 1], last);
+    for (int64_t r = r0; r < r1; r += block_rows) {
+      for (int64_t h = 0; h < Hkv; ++h)
+        work->items.push_back(Item{s, r, std::min(block_rows, r1 - r), h});
+      pairs += std::min(block_rows, r1 - r) * H * std::max<int64_t>(kv_lens.typed_data()[s], 0);
+    }
+  }
+  const int64_t num = static_cast<int64_t>(work->items.size());
+  int64_t helpers = pairs < kInlineWork ? 0 : std::min<int64_t>(pool.num_threads(), num - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  while (work->done.load(std::memory_order_acquire) < num) _mm_pause();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveAttention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Rows3>()           // q [T, H, D]
+                                  .Arg<ffi::AnyBuffer>()  // k [L, P, page, Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // k scales [L, P, page, Hkv], or [0]
+                                  .Arg<ffi::AnyBuffer>()  // v scales, or [0]
+                                  .Arg<Ints1>()           // query_start_loc [S + 1]
+                                  .Arg<Ints1>()           // kv_lens [S]
+                                  .Arg<Ints2>()           // page_tables [S, max_pages]
+                                  .Arg<Index>()           // layer
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("window")
+                                  .Ret<Rows3>());

@@ -1,0 +1,132 @@
+"""xlaserve's CPU attention kernel (ops/native/attention.cc) against the pure-JAX reference
+and the float64 oracle: every case of the kernel matrix, windows, soft caps, long contexts,
+prefill chunks longer than one work item, batches large enough to use XLA's threads, inside
+a jitted scan over layers, and what it refuses."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_cases import (
+    LAYER,
+    MATRIX_PARAMS,
+    NUM_LAYERS,
+    Case,
+    case_from,
+    check_kernel,
+    make_case,
+    oracle,
+    rel_err,
+    slots_of,
+)
+
+from ops import native
+from ops.attention import AttentionMetadata, KVCache, resolve_backend, row_layout
+from ops.cpu_attention import cpu_ragged_paged_attention as kernel
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason=f"CPU kernels unavailable: {native.reason()}")
+
+
+def _case(seqs, *, group=3, num_kv_heads=3, head_dim=64, page_size=16, seed=0,
+          pad_rows=3) -> Case:
+    """A step of the given (q_len, kv_len) sequences, pages in random order."""
+    rng = np.random.default_rng(seed)
+    pages = [-(-kv // page_size) for _, kv in seqs]
+    num_pages = sum(pages) + 2
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    tables = np.zeros((len(seqs), max(pages) + 1), np.int32)
+    for s, n in enumerate(pages):
+        tables[s, :n] = [free.pop() for _ in range(n)]
+    num_tokens = sum(q for q, _ in seqs) + pad_rows
+    shape = (NUM_LAYERS, num_pages, page_size, num_kv_heads, head_dim)
+    query_start_loc = jnp.asarray(np.cumsum([0] + [q for q, _ in seqs]), jnp.int32)
+    kv_lens = jnp.asarray([kv for _, kv in seqs], jnp.int32)
+    positions, token_seq = row_layout(query_start_loc, kv_lens, num_tokens)
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray(slots_of(tables, seqs, page_size, num_tokens)),
+        query_start_loc=query_start_loc, kv_lens=kv_lens, page_tables=jnp.asarray(tables),
+        positions=positions, token_seq=token_seq)
+    q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim))
+    return Case(jnp.asarray(q, jnp.float32),
+                KVCache(*(jnp.asarray(rng.standard_normal(shape), jnp.float32)
+                          for _ in range(2))), md, seqs)
+
+
+@pytest.mark.parametrize("params", MATRIX_PARAMS)
+def test_matches_reference(params):
+    check_kernel(kernel, case_from(params))
+
+
+@pytest.mark.parametrize("sliding_window", [1, 5, 16, 40])
+def test_sliding_window(sliding_window):
+    check_kernel(kernel, _case([(1, 70), (37, 90), (1, 3), (0, 0)]),
+                 sliding_window=sliding_window)
+
+
+def test_soft_cap_and_window():
+    check_kernel(kernel, make_case("mixed", num_kv_heads=2, group=4, head_dim=64,
+                                   page_size=16), soft_cap=5.0, sliding_window=8)
+
+
+def test_long_contexts_chunks_of_many_items_and_threads():
+    """~600 keys, a 70-row chunk (several work items of rows per KV head) and 64 decodes:
+    enough query-key pairs that XLA's pool threads share the items."""
+    rng = np.random.default_rng(3)
+    seqs = [(1, 600), (70, 577), (1, 33)] + [(1, int(n)) for n in rng.integers(1, 300, 64)]
+    check_kernel(kernel, _case(seqs + [(0, 0)]))
+
+
+@pytest.mark.parametrize("head_dim, group", [(128, 4), (256, 1), (80, 8), (64, 16)])
+def test_head_dims_and_groups_of_other_models(head_dim, group):
+    check_kernel(kernel, _case([(1, 40), (21, 50), (0, 0)], head_dim=head_dim, group=group,
+                               num_kv_heads=1))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_pages_in_their_dtype(kv_dtype):
+    case = _case([(1, 100), (20, 20), (3, 50), (0, 0)])
+    low = KVCache(case.cache.k.astype(kv_dtype), case.cache.v.astype(kv_dtype))
+    widened = KVCache(low.k.astype(jnp.float32), low.v.astype(jnp.float32))
+    out = kernel(case.q, low, LAYER, case.md, sm_scale=0.125)
+    assert rel_err(out, oracle(case.q, widened, LAYER, case.md, sm_scale=0.125)) < 1e-5
+
+
+def test_in_a_jitted_scan_over_layers_with_writes():
+    """As the model calls it: each layer writes its K/V, then reads the pool it just wrote,
+    the layer a traced index."""
+    from ops.attention import ref_ragged_paged_attention, write_kv
+
+    case = _case([(1, 40), (9, 30), (0, 0)])
+    rng = np.random.default_rng(1)
+    new = jnp.asarray(rng.standard_normal((NUM_LAYERS, 2, *case.q.shape[:1],
+                                           *case.cache.k.shape[3:])), jnp.float32)
+
+    def run(attend, cache):
+        def layer(cache, idx):
+            cache = write_kv(cache, idx, new[idx, 0], new[idx, 1], case.md.slot_mapping)
+            return cache, attend(case.q, cache, idx, case.md, sm_scale=0.125)
+        return jax.lax.scan(layer, cache, jnp.arange(NUM_LAYERS, dtype=jnp.int32))
+
+    got_cache, got = jax.jit(lambda c: run(kernel, c))(case.cache)
+    want_cache, want = jax.jit(lambda c: run(ref_ragged_paged_attention, c))(case.cache)
+    np.testing.assert_array_equal(np.asarray(got_cache.k), np.asarray(want_cache.k))
+    assert rel_err(got, want) < 1e-5
+
+
+def test_refusals():
+    case = _case([(1, 20), (0, 0)], head_dim=72)
+    with pytest.raises(ValueError, match="head_dim a multiple of 16"):
+        kernel(case.q, case.cache, LAYER, case.md, sm_scale=0.125)
+    case = _case([(1, 20), (0, 0)])
+    fp8 = KVCache(case.cache.k.astype(jnp.float8_e4m3fn), case.cache.v.astype(jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match="reads pages of"):
+        kernel(case.q, fp8, LAYER, case.md, sm_scale=0.125)
+    with pytest.raises(Exception, match="layer out of range"):
+        jax.block_until_ready(kernel(case.q, case.cache, NUM_LAYERS, case.md, sm_scale=0.125))
+
+
+def test_auto_is_the_kernel_on_cpu():
+    assert resolve_backend("auto", jax.devices("cpu")[0]) == "cpu"
