@@ -71,7 +71,8 @@ def _build() -> Path:
     include = jax.ffi.include_dir()
     key = hashlib.sha256("\0".join([
         *(source.read_text() for source in SOURCES), " ".join(cxx), version.stdout,
-        " ".join(FLAGS), _cpu_features(), include, *(p.read_text() for p in sorted(Path(include, "xla/ffi/api").glob("*.h"))),
+        " ".join(FLAGS), _cpu_features(), include,
+        *(p.read_text() for p in sorted(Path(include, "xla/ffi/api").glob("*.h"))),
     ]).encode()).hexdigest()[:24]
     out = _cache_dir() / f"xlaserve-{key}.so"
     if out.exists():
