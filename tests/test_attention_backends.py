@@ -1,5 +1,5 @@
-"""`--attention-backend`: the Pallas kernels (interpreted on CPU) drive the real default model
-through the engine to the same greedy tokens as the pure-JAX reference."""
+"""`--attention-backend`: our CPU kernel and the Pallas kernels (interpreted on CPU) drive the
+real default model through the engine to the same greedy tokens as the pure-JAX reference."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def reference_tokens(default_gguf):
 
 
 @pytest.mark.parametrize("backend", [
+    "cpu",  # ops/native/attention.cc, the CPU's auto backend
     "pallas",  # on CPU: the GPU kernel, interpreted
     pytest.param("pallas-tpu", marks=pytest.mark.slow),  # TPU interpret mode: about 3 minutes
 ])
@@ -53,17 +54,19 @@ def test_auto_picks_the_kernel_by_platform_and_compute_capability():
 
     import jax
 
+    from ops import native
     from ops.attention import resolve_backend
 
     def device(platform, cc=None):
         return types.SimpleNamespace(platform=platform, compute_capability=cc)
 
-    assert resolve_backend("auto", device("cpu")) == "reference"
+    on_cpu = "cpu" if native.available() else "reference"  # our kernel where it was built
+    assert resolve_backend("auto", device("cpu")) == on_cpu
     assert resolve_backend("auto", device("tpu")) == "pallas-tpu"
     assert resolve_backend("auto", device("gpu", "9.0")) == "pallas-gpu"   # Hopper: it ran there
     assert resolve_backend("auto", device("gpu", "8.0")) == "pallas-gpu"   # Ampere
     assert resolve_backend("auto", device("gpu", "7.5")) == "reference"    # Turing: no Triton path
     assert resolve_backend("auto", device("gpu")) == "reference"           # ROCm / unknown
     assert resolve_backend("pallas-gpu", device("cpu")) == "pallas-gpu"    # named: as asked
-    assert resolve_backend("auto") == ("reference" if jax.default_backend() == "cpu"
+    assert resolve_backend("auto") == (on_cpu if jax.default_backend() == "cpu"
                                        else resolve_backend("auto", jax.devices()[0]))
