@@ -43,6 +43,18 @@ inline __m512 Values16(const int8_t* p) {  // 16 int8 -> 16 float
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// Output rows read ahead: the hardware's prefetchers stop at 4 KiB pages, and a token's
+// weights (tens of MB) come from memory, not cache (1 thread, all 30 layers of the default
+// model: 17.2 ms without, against 8.7 ms for the same work from cache).
+constexpr int64_t kAhead = 4;
+
+// Ask for `bytes` from `p` on into the cache, a line at a time (reading past the end of an
+// array is harmless for a prefetch: it never faults).
+inline void Prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
 // One output row's float16 scales (or minimums) -> float32 in `out`.
 inline void Halves(const uint16_t* h, int64_t n, float* out) {
   for (int64_t g = 0; g < n; g += 16) {
@@ -70,43 +82,65 @@ struct Problem {
   int64_t T, I, O, G;
 };
 
-// Output rows [r0, r1) for N rows of x starting at row t0, from packed 4-bit values.
+// The 32 weights of one packed block of 4-bit values (16 bytes, llama.cpp's Q4 layout: byte
+// j holds value j in its low nibble, value j + 16 in its high one) as two vectors, when the
+// group's 16 possible weights, scale * k + minimum, are the lanes of `table`: each nibble
+// becomes its weight by a lane permutation, which reads only an index's low 4 bits (no
+// masking, no int-to-float conversion: the port those use is the one the multiplies need).
+inline void PackedWeights(const uint8_t* b, __m512 table, __m512* lo, __m512* hi) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+  *lo = _mm512_permutexvar_ps(v, table);
+  *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+
+// Output rows [r0, r1) for N rows of x starting at row t0, from packed 4-bit values. Blocks
+// go two a trip into four accumulators per row (independent chains: the multiplies' latency
+// is hidden), held in registers; each scale group's table is made once for the N rows.
 template <int N>
 void PackedTile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
-  const int64_t I = p.I, G = p.G, gs = I / G;
+  const int64_t I = p.I, G = p.G, per_group = I / G / 32;  // blocks per scale group
+  const int64_t B = I / 32;                                 // blocks per output row
   const float* x = p.x + t0 * I;
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) float sc[kMaxGroups], mn[kMaxGroups];
   for (int64_t o = r0; o < r1; ++o) {
     const uint8_t* qo = reinterpret_cast<const uint8_t*>(p.q) + o * (I / 2);
+    Prefetch(qo + kAhead * (I / 2), I / 2);
+    Prefetch(p.scale + (o + kAhead) * G, 2 * G);
+    if (p.minimum) Prefetch(p.minimum + (o + kAhead) * G, 2 * G);
     Halves(p.scale + o * G, G, sc);
     if (p.minimum) {
       Halves(p.minimum + o * G, G, mn);
-    } else {
+    } else {  // symmetric values are stored plus 8
       for (int64_t g = 0; g < G; ++g) mn[g] = -8.0f * sc[g];
     }
-    __m512 acc[2][N];  // two chains, alternating groups
-    for (int t = 0; t < N; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 part[N];
-      for (int t = 0; t < N; ++t) part[t] = _mm512_setzero_ps();
-      for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
-        __m512 lo, hi;
-        Nibbles32(qo + k / 2, &lo, &hi);
-        for (int t = 0; t < N; ++t) {
-          const float* xt = x + t * I + k;
-          part[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xt), part[t]);
-          part[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xt + 16), part[t]);
-        }
+    auto table = [&](int64_t b) {
+      const int64_t g = b / per_group;
+      return _mm512_fmadd_ps(levels, _mm512_set1_ps(sc[g]), _mm512_set1_ps(mn[g]));
+    };
+    __m512 acc[N][4];
+    for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < B; b += 2) {
+      __m512 w[4];
+      PackedWeights(qo + b * 16, table(b), &w[0], &w[1]);
+      PackedWeights(qo + b * 16 + 16, table(b + 1), &w[2], &w[3]);
+      for (int t = 0; t < N; ++t) {
+        const float* xt = x + t * I + b * 32;
+        for (int k = 0; k < 4; ++k)
+          acc[t][k] = _mm512_fmadd_ps(w[k], _mm512_loadu_ps(xt + 16 * k), acc[t][k]);
       }
-      const __m512 s = _mm512_set1_ps(sc[g]);
-      for (int t = 0; t < N; ++t) acc[g & 1][t] = _mm512_fmadd_ps(part[t], s, acc[g & 1][t]);
     }
-    for (int t = 0; t < N; ++t) {
-      float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][t], acc[1][t]));
-      const float* xs = p.xsum + (t0 + t) * G;
-      for (int64_t g = 0; g < G; ++g) v += mn[g] * xs[g];
-      p.y[(t0 + t) * p.O + o] = v;
+    if (b < B) {
+      __m512 w[2];
+      PackedWeights(qo + b * 16, table(b), &w[0], &w[1]);
+      for (int t = 0; t < N; ++t)
+        for (int k = 0; k < 2; ++k)
+          acc[t][k] = _mm512_fmadd_ps(w[k], _mm512_loadu_ps(x + t * I + b * 32 + 16 * k), acc[t][k]);
     }
+    for (int t = 0; t < N; ++t)
+      p.y[(t0 + t) * p.O + o] = _mm512_reduce_add_ps(_mm512_add_ps(
+          _mm512_add_ps(acc[t][0], acc[t][1]), _mm512_add_ps(acc[t][2], acc[t][3])));
   }
 }
 
@@ -118,6 +152,9 @@ void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
   alignas(64) float sc[kMaxGroups], mn[kMaxGroups];
   for (int64_t o = r0; o < r1; ++o) {
     const int8_t* qo = p.q + o * I;
+    Prefetch(qo + kAhead * I, I);
+    Prefetch(p.scale + (o + kAhead) * G, 2 * G);
+    if (p.minimum) Prefetch(p.minimum + (o + kAhead) * G, 2 * G);
     Halves(p.scale + o * G, G, sc);
     if (p.minimum) Halves(p.minimum + o * G, G, mn);
     __m512 acc0[N], acc1[N];  // two chains, alternating groups
