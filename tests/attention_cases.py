@@ -101,6 +101,32 @@ def make_case(kind: str, *, num_kv_heads: int, group: int, head_dim: int, page_s
     return Case(q, cache, md, seqs)
 
 
+def case_of(seqs: list[tuple[int, int]], *, num_kv_heads: int, group: int, head_dim: int,
+            page_size: int, seed: int = 0, pad_rows: int = 3) -> Case:
+    """A float32 step of exactly these (q_len, kv_len) sequences, pages in random order and
+    page tables just wide enough."""
+    rng = np.random.default_rng(seed)
+    pages = [-(-kv // page_size) for _, kv in seqs]
+    num_pages = sum(pages) + 1  # and the dummy page 0
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    tables = np.zeros((len(seqs), max(pages)), np.int32)
+    for s, n in enumerate(pages):
+        tables[s, :n] = [free.pop() for _ in range(n)]
+    num_tokens = sum(q for q, _ in seqs) + pad_rows
+    shape = (NUM_LAYERS, num_pages, page_size, num_kv_heads, head_dim)
+    query_start_loc = jnp.asarray(np.cumsum([0] + [q for q, _ in seqs]), jnp.int32)
+    kv_lens = jnp.asarray([kv for _, kv in seqs], jnp.int32)
+    positions, token_seq = row_layout(query_start_loc, kv_lens, num_tokens)
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray(slots_of(tables, seqs, page_size, num_tokens)),
+        query_start_loc=query_start_loc, kv_lens=kv_lens, page_tables=jnp.asarray(tables),
+        positions=positions, token_seq=token_seq)
+    q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim))
+    return Case(jnp.asarray(q, jnp.float32),
+                KVCache(*(jnp.asarray(rng.standard_normal(shape), jnp.float32)
+                          for _ in range(2))), md, seqs)
+
+
 def oracle(q, cache: KVCache, layer: int, md: AttentionMetadata, *, sm_scale: float,
            sliding_window: int | None = None, soft_cap: float | None = None) -> np.ndarray:
     """Ragged paged attention in float64 numpy, one sequence and one row at a time."""

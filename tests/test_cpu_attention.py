@@ -15,44 +15,24 @@ from attention_cases import (
     NUM_LAYERS,
     Case,
     case_from,
+    case_of,
     check_kernel,
     make_case,
     oracle,
     rel_err,
-    slots_of,
 )
 
 from ops import native
-from ops.attention import AttentionMetadata, KVCache, resolve_backend, row_layout
+from ops.attention import KVCache, resolve_backend
 from ops.cpu_attention import cpu_ragged_paged_attention as kernel
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason=f"CPU kernels unavailable: {native.reason()}")
 
 
-def _case(seqs, *, group=3, num_kv_heads=3, head_dim=64, page_size=16, seed=0,
-          pad_rows=3) -> Case:
-    """A step of the given (q_len, kv_len) sequences, pages in random order."""
-    rng = np.random.default_rng(seed)
-    pages = [-(-kv // page_size) for _, kv in seqs]
-    num_pages = sum(pages) + 2
-    free = list(rng.permutation(np.arange(1, num_pages)))
-    tables = np.zeros((len(seqs), max(pages) + 1), np.int32)
-    for s, n in enumerate(pages):
-        tables[s, :n] = [free.pop() for _ in range(n)]
-    num_tokens = sum(q for q, _ in seqs) + pad_rows
-    shape = (NUM_LAYERS, num_pages, page_size, num_kv_heads, head_dim)
-    query_start_loc = jnp.asarray(np.cumsum([0] + [q for q, _ in seqs]), jnp.int32)
-    kv_lens = jnp.asarray([kv for _, kv in seqs], jnp.int32)
-    positions, token_seq = row_layout(query_start_loc, kv_lens, num_tokens)
-    md = AttentionMetadata(
-        slot_mapping=jnp.asarray(slots_of(tables, seqs, page_size, num_tokens)),
-        query_start_loc=query_start_loc, kv_lens=kv_lens, page_tables=jnp.asarray(tables),
-        positions=positions, token_seq=token_seq)
-    q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim))
-    return Case(jnp.asarray(q, jnp.float32),
-                KVCache(*(jnp.asarray(rng.standard_normal(shape), jnp.float32)
-                          for _ in range(2))), md, seqs)
+def _case(seqs, *, group=3, num_kv_heads=3, head_dim=64) -> Case:
+    return case_of(seqs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                   page_size=16)
 
 
 @pytest.mark.parametrize("params", MATRIX_PARAMS)

@@ -17,12 +17,12 @@ from attention_cases import (
     NUM_LAYERS,
     Case,
     case_from,
+    case_of,
     check_kernel,
     make_case,
-    slots_of,
 )
 
-from ops.attention import AttentionMetadata, KVCache, ref_ragged_paged_attention, row_layout
+from ops.attention import KVCache, ref_ragged_paged_attention
 from ops.pallas_gpu_attention import _block_sizes, pallas_gpu_ragged_paged_attention
 
 # interpret=None: interpreted on CPU, compiled on a GPU (the bring-up runs these there).
@@ -36,27 +36,8 @@ def _mixed(group=4, page_size=16, **kw) -> Case:
 
 def _long_case(page_size=16, seed=0) -> Case:
     """Long-ish contexts: two decode tokens and a 40-row prefill chunk at ~600 keys."""
-    rng = np.random.default_rng(seed)
-    seqs = [(1, 600), (40, 577), (1, 33), (0, 0)]
-    max_pages = -(-max(kv for _, kv in seqs) // page_size)
-    num_pages = sum(-(-kv // page_size) for _, kv in seqs) + 1
-    free = list(rng.permutation(np.arange(1, num_pages)))
-    tables = np.zeros((len(seqs), max_pages), np.int32)
-    for s, (_, kv) in enumerate(seqs):
-        tables[s, :-(-kv // page_size)] = [free.pop() for _ in range(-(-kv // page_size))]
-    num_tokens = sum(q for q, _ in seqs) + 3
-    shape = (NUM_LAYERS, num_pages, page_size, 2, 64)
-    query_start_loc = jnp.asarray(np.cumsum([0] + [q for q, _ in seqs]), jnp.int32)
-    kv_lens = jnp.asarray([kv for _, kv in seqs], jnp.int32)
-    positions, token_seq = row_layout(query_start_loc, kv_lens, num_tokens)
-    md = AttentionMetadata(
-        slot_mapping=jnp.asarray(slots_of(tables, seqs, page_size, num_tokens)),
-        query_start_loc=query_start_loc, kv_lens=kv_lens, page_tables=jnp.asarray(tables),
-        positions=positions, token_seq=token_seq)
-    return Case(jnp.asarray(rng.standard_normal((num_tokens, 8, 64)), jnp.float32),
-                KVCache(jnp.asarray(rng.standard_normal(shape), jnp.float32),
-                        jnp.asarray(rng.standard_normal(shape), jnp.float32)),
-                md, seqs)
+    return case_of([(1, 600), (40, 577), (1, 33), (0, 0)], num_kv_heads=2, group=4,
+                   head_dim=64, page_size=page_size, seed=seed)
 
 
 @pytest.mark.parametrize("params", MATRIX_PARAMS)
