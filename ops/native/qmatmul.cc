@@ -15,10 +15,12 @@
 //
 // Why a kernel of our own: XLA:CPU runs a one-row product with the dequantization fused
 // as a loop on one thread, and at 2-8 rows materializes the dequantized matrix before
-// the dot. Here each group's values are converted to float in registers and multiplied
+// the dot. Here each group's values become float weights in registers (int8 by conversion,
+// 4-bit ones by a lane permutation of the group's 16 possible weights) and are multiplied
 // with x in float32 (no activation quantization: the result is the float product up to
-// summation order), for up to 4 rows at once, and the output rows are split over XLA's
-// intra-op thread pool, whose threads read memory in parallel.
+// summation order), for up to 4 rows at once; rows are read ahead with software prefetches
+// (a token's weights come from memory), and the output rows are split over XLA's intra-op
+// thread pool, whose threads read memory in parallel.
 #include <immintrin.h>
 
 #include <atomic>
@@ -61,14 +63,6 @@ inline void Halves(const uint16_t* h, int64_t n, float* out) {
     const __mmask16 m = n - g >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - g)) - 1);
     _mm512_mask_storeu_ps(out + g, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, h + g)));
   }
-}
-
-// 32 packed 4-bit values (16 bytes, llama.cpp's Q4 block layout: byte j holds value j in
-// its low nibble and value j + 16 in its high one) -> two vectors of 16 floats in [0, 15].
-inline void Nibbles32(const uint8_t* p, __m512* lo, __m512* hi) {
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-  *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
 }
 
 struct Problem {
