@@ -71,7 +71,7 @@ struct Problem {
   bool packed;            // symmetric packed values are stored plus 8: min = -8 * scale
   const uint16_t* scale;  // [O, G] float16 bits
   const uint16_t* minimum;  // [O, G] or null
-  const float* xsum;      // [T, G]: each group's sum of x (for the minimums)
+  const float* xsum;      // [T, G]: each group's sum of x (one value per int8 with minimums)
   float* y;               // [T, O]
   int64_t T, I, O, G;
 };
@@ -271,7 +271,9 @@ ffi::Error QMatmul(ffi::ThreadPool pool, Rows2 x, ffi::AnyBuffer q, Halves3 scal
   if (T == 0) return ffi::Error::Success();
 
   const int64_t gs = I / G;
-  std::vector<float> xsum(has_min || packed ? T * G : 0);
+  // Packed values carry their minimums in each group's table; only one value per int8 with
+  // minimums needs the group sums of x.
+  std::vector<float> xsum(has_min && !packed ? T * G : 0);
   for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
     const float* xg = x.typed_data() + (i / G) * I + (i % G) * gs;
     __m512 s = _mm512_setzero_ps();
