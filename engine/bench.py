@@ -349,9 +349,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=defaults.block_size)
     p.add_argument("--attention-backend", default=defaults.attention_backend, choices=BACKENDS)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="overlap each step with the host work of the one before (default: on "
-                        "for GPU/TPU and the simulated device, off on CPU)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="overlap each step with the host work of the one before (default: on)")
     p.add_argument("--simulate-device-ms", type=float, default=None,
                    help="measure the host path alone against a simulated device whose step "
                         "takes this long (no model runs)")

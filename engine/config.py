@@ -63,9 +63,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1       # devices the model is split over (heads, MLP, vocab)
     max_waiting_requests: int = 1024
     seed: int = 0                       # seeds of requests that bring none are drawn from this
-    # Dispatch step n+1 before reading step n's tokens. None: the runner's choice (on for
-    # accelerators; off on CPU, where host and step share the cores: 13% slower there).
-    async_scheduling: bool | None = None
+    # Dispatch step n+1 before reading step n's tokens (the device never waits on the host's
+    # bookkeeping; outputs are the same). On everywhere: on the 2-core CPU too, since the
+    # CPU kernels (docs/performance.md).
+    async_scheduling: bool = True
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",

@@ -50,7 +50,8 @@ from models.loader import describe_quant, load_config, load_model, resolve_dtype
 from models.progress import progress_bar
 from models.sharding import kv_cache_sharding, make_mesh, replicated, sharded_config
 from ops.attention import QUANTIZED_KV, AttentionMetadata, KVCache, kv_specs, resolve_kv_dtype
-from ops.sampling import SamplingMetadata, count_sampled, reset_slot, sample
+from ops.sampling import (NUM_TOP_LOGPROBS, SamplingMetadata, count_sampled, reset_slot,
+                          sample)
 
 logger = logging.getLogger(__name__)
 
@@ -78,16 +79,25 @@ class StepResult:
     top_logprobs: np.ndarray  # [num_seqs, 20] float32
 
 
+def _pack(token_ids, logprobs, top_ids, top_logprobs) -> jax.Array:
+    """A step's results as one [S, 2 + 2 * NUM_TOP_LOGPROBS] int32 array (floats bitcast): one
+    transfer to the host per step rather than four."""
+    bits = lambda a: jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.int32)
+    return jnp.concatenate([token_ids.astype(jnp.int32)[:, None], bits(logprobs)[:, None],
+                            top_ids.astype(jnp.int32), bits(top_logprobs)], axis=1)
+
+
 class PendingStep:
     """A dispatched step; `result()` waits for it and brings its sampled tokens to the host."""
 
-    def __init__(self, outputs, num_seqs: int):
-        self._outputs, self._num_seqs = outputs, num_seqs
+    def __init__(self, packed: jax.Array, num_seqs: int):
+        self._packed, self._num_seqs = packed, num_seqs
 
     def result(self) -> StepResult:
-        ids, logprobs, top_ids, top_logprobs = jax.device_get(self._outputs)
-        n = self._num_seqs
-        return StepResult(ids[:n], logprobs[:n], top_ids[:n], top_logprobs[:n])
+        rows = np.asarray(self._packed)[:self._num_seqs]
+        floats = rows.view(np.float32)
+        return StepResult(rows[:, 0], floats[:, 1], rows[:, 2:2 + NUM_TOP_LOGPROBS],
+                          floats[:, 2 + NUM_TOP_LOGPROBS:])
 
 
 class BucketMiss(RuntimeError):
@@ -132,6 +142,9 @@ class ModelRunner:
         self.dtype = model.dtype
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.graphdef, self.state = nnx.split(model)
+        # Steps take the parameters as a flat list: a list flattens in the dispatcher's C++,
+        # an nnx.State through Python callbacks, per leaf, at every call.
+        self.params, self._params_tree = jax.tree.flatten(self.state)
         # How the pool splits by KV head under a mesh: pages, and int8 pages' scales.
         self.kv_shardings = None if self.mesh is None else jax.tree.map(
             lambda spec: NamedSharding(self.mesh, spec),
@@ -171,10 +184,6 @@ class ModelRunner:
             list(config.seq_buckets))
         self.compilations_after_warmup = 0
         self.warm = False
-        # Overlapped steps pay off where the step runs beside the host, not on its cores:
-        # 64 x 128/128 on the 2-core CPU ran 13% slower with them (docs/performance.md).
-        platform = (jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]).platform
-        self.overlaps_by_default = platform != "cpu"
 
     def _no_token_mask(self, num_seqs: int) -> jax.Array:
         """The token mask of a step without grammars: zeros kept on the device, so that such a
@@ -209,13 +218,13 @@ class ModelRunner:
 
     # ---- the compiled step: a body per token bucket, a head per sequence bucket ------------
 
-    def _body(self, state, kv, last_tokens, buffer):
+    def _body(self, params, kv, last_tokens, buffer):
         layout = body_layout(self.config, body_tokens(self.config, buffer.shape[0]))
         inputs = {name: buffer[off:off + int(np.prod(shape))].reshape(shape)
                   for name, (off, shape) in layout.items()}
         slot = inputs["token_slot"]  # rows whose token is still on the device (overlap)
         tokens = jnp.where(slot >= 0, last_tokens[jnp.maximum(slot, 0)], inputs["tokens"])
-        model = nnx.merge(self.graphdef, state)
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._params_tree, params))
         md = AttentionMetadata(
             slot_mapping=inputs["slot_mapping"], query_start_loc=inputs["query_start_loc"],
             kv_lens=inputs["kv_lens"], page_tables=inputs["page_tables"],
@@ -223,9 +232,9 @@ class ModelRunner:
         return model.hidden_states(tokens, inputs["positions"], kv, md,
                                    inputs["logits_indices"])  # [max_num_seqs, E], kv
 
-    def _head(self, state, hidden, output_counts, prompt_mask, last_tokens, ints, floats,
+    def _head(self, params, hidden, output_counts, prompt_mask, last_tokens, ints, floats,
               token_mask):
-        model = nnx.merge(self.graphdef, state)
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._params_tree, params))
         num_seqs = ints.shape[1]
         columns = {name: floats[i] for i, name in enumerate(FLOAT_COLUMNS)}
         for name, (row, rows) in sampling_layout().items():
@@ -236,7 +245,7 @@ class ModelRunner:
         out = sample(model.logits(hidden[:num_seqs]), md)
         output_counts = count_sampled(output_counts, md.slots, out.token_ids)
         last_tokens = last_tokens.at[md.slots].set(out.token_ids)
-        return ((out.token_ids, out.logprobs, out.top_ids, out.top_logprobs),
+        return (_pack(out.token_ids, out.logprobs, out.top_ids, out.top_logprobs),
                 output_counts, last_tokens)
 
     def step_bytes(self, store_dir: str | None = None) -> int:
@@ -295,12 +304,12 @@ class ModelRunner:
         counts, mask, last = self.slot_state
         if kind == "tokens":
             fn, donate = self._body, (1,)
-            device_args = (self.state, self.kv if kv is None else kv, last)
+            device_args = (self.params, self.kv if kv is None else kv, last)
             host_args = (empty_batch(cfg, (size, 1)).body,)
         elif kind == "seqs":
             hidden = np.zeros((cfg.max_num_seqs, self.model_config.hidden_size), self.dtype)
             fn, donate = self._head, (2, 4)
-            device_args = (self.state,)
+            device_args = (self.params,)
             batch = empty_batch(cfg, (1, size))
             host_args = (hidden, counts, mask, last, batch.sampling_ints, batch.sampling_floats,
                          np.zeros((size, mask_words(self.model_config.vocab_size)), np.int32))
@@ -423,11 +432,11 @@ class ModelRunner:
             if batch.resets:
                 self._reset_slots(batch.resets)
             counts, mask, last = self.slot_state
-            hidden, self.kv = body(self.state, self.kv, last, batch.body)
+            hidden, self.kv = body(self.params, self.kv, last, batch.body)
             # A grammar's mask is computed while the device runs the body.
             token_mask = (self._no_token_mask(num_seqs) if batch.token_mask is None
                           else batch.token_mask())
-            outputs, counts, last = head(self.state, hidden, counts, mask, last,
+            outputs, counts, last = head(self.params, hidden, counts, mask, last,
                                          batch.sampling_ints, batch.sampling_floats, token_mask)
             self.slot_state = counts, mask, last
         finally:

@@ -88,9 +88,9 @@ def parser() -> argparse.ArgumentParser:
                    help="multi-host: this process's rank; 0 serves HTTP, the others follow")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch each step before reading the previous one's tokens (the "
-                        "outputs are the same; default: on for GPU/TPU, off on CPU)")
+                        "outputs are the same; default: on)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="chat replies: text inside <think>...</think> goes to the message's "
