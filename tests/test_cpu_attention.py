@@ -59,6 +59,15 @@ def test_long_contexts_chunks_of_many_items_and_threads():
     check_kernel(kernel, _case(seqs + [(0, 0)]))
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 8, 32])
+def test_pages_smaller_and_larger_than_a_block_of_keys(page_size):
+    """The kernel reads keys 16 at a time and walks their pages by counting: pages that end
+    inside a block (1, 4, 8 tokens) and blocks that start inside a page (32)."""
+    seqs = [(1, 70), (13, 45), (1, 1), (1, 33), (0, 0)]
+    check_kernel(kernel, case_of(seqs, num_kv_heads=3, group=3, head_dim=64,
+                                 page_size=page_size, seed=page_size))
+
+
 @pytest.mark.parametrize("head_dim, group", [(128, 4), (256, 1), (80, 8), (64, 16)])
 def test_head_dims_and_groups_of_other_models(head_dim, group):
     check_kernel(kernel, _case([(1, 40), (21, 50), (0, 0)], head_dim=head_dim, group=group,

@@ -121,6 +121,22 @@ inline void Load(const void* pool, const float* scales, int64_t vec, int64_t D, 
   }
 }
 
+// acc[d0, d0 + 16W) = acc * scale + sum_j weights[j] * vf[j] over those W vectors of one
+// query's output: W independent chains of FMAs (one chain per 16 dims, looping over keys
+// inside, would wait on each FMA's latency: 4x slower at head_dim 64).
+template <int W>
+inline void AddValues(float* acc, const float* vf, const float* weights, int64_t n, int64_t D,
+                      int64_t d0, __m512 scale) {
+  __m512 o[W];
+  for (int w = 0; w < W; ++w) o[w] = _mm512_mul_ps(_mm512_load_ps(acc + d0 + 16 * w), scale);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 wj = _mm512_set1_ps(weights[j]);
+    const float* vj = vf + j * D + d0;
+    for (int w = 0; w < W; ++w) o[w] = _mm512_fmadd_ps(wj, _mm512_load_ps(vj + 16 * w), o[w]);
+  }
+  for (int w = 0; w < W; ++w) _mm512_store_ps(acc + d0 + 16 * w, o[w]);
+}
+
 template <Pages kPages>
 void RunItem(const Problem& p, const Item& it) {
   const int64_t D = p.D, G = p.H / p.Hkv, M = it.rows * G;
@@ -152,12 +168,18 @@ void RunItem(const Problem& p, const Item& it) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t j0 = lo[0] / kKeys * kKeys; j0 < keys_end; j0 += kKeys) {
     const int64_t n = std::min(kKeys, keys_end - j0);
+    // The block's keys walk their pages in order: page and offset advance by counting
+    // (two integer divisions per key cost more than the key's arithmetic at head_dim 64).
+    int64_t slot = j0 / p.page_size, offset = j0 % p.page_size, base = -1;
     for (int64_t j = 0; j < kKeys; ++j) {
       if (j < n) {
-        int64_t page = table[(j0 + j) / p.page_size];
-        page = std::clamp<int64_t>(page, 0, p.num_pages - 1);  // never read outside the pool
-        const int64_t vec = ((p.layer * p.num_pages + page) * p.page_size +
-                             (j0 + j) % p.page_size) * p.Hkv + it.head;
+        if (base < 0 || offset == p.page_size) {
+          if (offset == p.page_size) ++slot, offset = 0;
+          // never read outside the pool
+          const int64_t page = std::clamp<int64_t>(table[slot], 0, p.num_pages - 1);
+          base = (p.layer * p.num_pages + page) * p.page_size;
+        }
+        const int64_t vec = (base + offset++) * p.Hkv + it.head;
         Load<kPages>(p.k, p.k_scale, vec, D, kf + j * D);
         Load<kPages>(p.v, p.v_scale, vec, D, vf + j * D);
       } else {  // past the last key: zeros (their weights are 0; stale values could be NaN)
@@ -192,12 +214,13 @@ void RunItem(const Problem& p, const Item& it) {
       l[x] = l[x] * correction + _mm512_reduce_add_ps(w);
       m[x] = m_next;
       _mm512_store_ps(weights, w);
-      for (int64_t d = 0; d < D; d += 16) {
-        __m512 o = _mm512_mul_ps(_mm512_load_ps(acc + x * D + d), _mm512_set1_ps(correction));
-        for (int64_t j = 0; j < n; ++j)
-          o = _mm512_fmadd_ps(_mm512_set1_ps(weights[j]), _mm512_load_ps(vf + j * D + d), o);
-        _mm512_store_ps(acc + x * D + d, o);
-      }
+      const __m512 scale = _mm512_set1_ps(correction);
+      float* a = acc + x * D;
+      int64_t d = 0;
+      for (; d + 128 <= D; d += 128) AddValues<8>(a, vf, weights, n, D, d, scale);
+      if (D - d >= 64) { AddValues<4>(a, vf, weights, n, D, d, scale); d += 64; }
+      if (D - d >= 32) { AddValues<2>(a, vf, weights, n, D, d, scale); d += 32; }
+      if (D - d >= 16) AddValues<1>(a, vf, weights, n, D, d, scale);
     }
   }
   for (int64_t i = 0; i < it.rows; ++i) {
