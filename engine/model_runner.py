@@ -50,8 +50,7 @@ from models.loader import describe_quant, load_config, load_model, resolve_dtype
 from models.progress import progress_bar
 from models.sharding import kv_cache_sharding, make_mesh, replicated, sharded_config
 from ops.attention import QUANTIZED_KV, AttentionMetadata, KVCache, kv_specs, resolve_kv_dtype
-from ops.sampling import (NUM_TOP_LOGPROBS, SamplingMetadata, count_sampled, reset_slot,
-                          sample)
+from ops.sampling import NUM_TOP_LOGPROBS, SamplingMetadata, count_sampled, reset_slot, sample
 
 logger = logging.getLogger(__name__)
 

@@ -78,14 +78,14 @@ def test_the_model_body_with_the_gpu_kernel_has_no_conditional_on_device_data(mo
     abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
     batch = empty_batch(cfg, (16, 4))
     counts, mask, last = runner.slot_state
-    args = jax.tree.map(abstract, (runner.state, runner.kv, last, batch.body))
+    args = jax.tree.map(abstract, (runner.params, runner.kv, last, batch.body))
     text = jax.jit(runner._body).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
     assert data_dependent_conditionals(text) == []
     # the LM head + sampler + per-slot bookkeeping of the same step, and its CPU control
     hidden = np.zeros((cfg.max_num_seqs, runner.model_config.hidden_size), np.float32)
     token_mask = np.zeros((4, -(-runner.model_config.vocab_size // 32)), np.int32)
-    args = jax.tree.map(abstract, (runner.state, hidden, counts, mask, last,
+    args = jax.tree.map(abstract, (runner.params, hidden, counts, mask, last,
                                    batch.sampling_ints, batch.sampling_floats, token_mask))
     for platform, found in (("cuda", 0), ("cpu", 7)):
         text = jax.jit(runner._head).trace(*args).lower(lowering_platforms=(platform,)).as_text()
