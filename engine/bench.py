@@ -88,10 +88,10 @@ def dense_seconds(runner: ModelRunner, num_tokens: int = 1, repeats: int = 30) -
     def dense(layers, head, x):
         def layer(x, idx):
             p = model.layer_params(layers, idx)  # as the model reads its layers
-            q, k, v = (linear(x, weight(p, w)) for w in ("wq", "wk", "wv"))
+            q, k, v = model.projects(x, p, ("wq", "wk", "wv"))
             x = x + linear(q, weight(p, "wo")) + k.mean() + v.mean()
-            gate = jax.nn.silu(linear(x, weight(p, "w_gate")))
-            return x + linear(gate * linear(x, weight(p, "w_up")), weight(p, "w_down")), None
+            gate, up = model.projects(x, p, ("w_gate", "w_up"))
+            return x + linear(jax.nn.silu(gate) * up, weight(p, "w_down")), None
 
         x, _ = jax.lax.scan(layer, x, jnp.arange(cfg.num_layers, dtype=jnp.int32))
         return linear(x, head, jnp.float32)

@@ -76,6 +76,7 @@ CHUNK_BYTES = 4 << 20  # the largest dequantized block at more than one row (mea
 SCALE_DTYPE = np.float16
 W8A8_MIN_ROWS = 2  # an int8 x int8 product of one row runs padded to this many
 NATIVE_MAX_ROWS = 8  # the most rows ops/native's kernel takes (more go to XLA's dot)
+NATIVE_MAX_MATRICES = 4  # the most matrices one call of it multiplies the same rows by
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +305,8 @@ def packed_formats(quant: dict) -> dict:
 def native_fits(x: jax.Array, w) -> bool:
     """Whether ops/native's kernel takes this product: float32 rows, at most
     NATIVE_MAX_ROWS of them, and a matrix of one-per-int8 values with float16 scales per
-    group of a multiple of 16 inputs (every format of SCHEMES but w8a8's, and GGUF's)."""
+    group of a multiple of 16 inputs (every format of SCHEMES but w8a8's, and GGUF's), or
+    of packed values with groups of 32 times a power of two."""
     if (not isinstance(w, dict) or x.dtype != jnp.float32 or x.ndim != 2
             or not 0 < x.shape[0] <= NATIVE_MAX_ROWS):
         return False
@@ -314,21 +316,39 @@ def native_fits(x: jax.Array, w) -> bool:
     return ((packed or q.dtype == jnp.int8) and scale.dtype == jnp.float16
             and cols == x.shape[1] and cols % groups == 0
             and (cols // groups) % (BLOCK if packed else 16) == 0 and groups <= 1024
+            and not (packed and (cols // groups // BLOCK) & (cols // groups // BLOCK - 1))
             and q.ndim == (3 if "layer" in w else 2) and native.available())
 
 
 def native_linear(x: jax.Array, w: dict) -> jax.Array:
     """x [T, I] float32 @ w^T -> [T, O] float32 through ops/native/qmatmul.cc."""
-    q, scale, minimum = w["q"], w["scale"], w.get("min")
-    layer = w.get("layer")
-    if layer is None:  # a matrix outside the stack (the LM head): a stack of one
-        q, scale, layer = q[None], scale[None], 0
-        minimum = None if minimum is None else minimum[None]
-    if minimum is None:
-        minimum = jnp.zeros((0,), jnp.float16)
-    call = jax.ffi.ffi_call(native.QMATMUL,
-                            jax.ShapeDtypeStruct((x.shape[0], q.shape[1]), jnp.float32))
-    return call(x, q, scale, minimum, jnp.asarray(layer, jnp.int32))
+    return native_linears(x, [w])[0]
+
+
+def native_linears(x: jax.Array, ws: list[dict]) -> list[jax.Array]:
+    """x times each of up to 4 matrices (one layer index for all), in one call of
+    ops/native/qmatmul.cc: their rows are split over the threads together."""
+    layer = ws[0].get("layer")
+    operands = []
+    for w in ws:
+        q, scale, minimum = w["q"], w["scale"], w.get("min")
+        if ("layer" in w) != (layer is not None) or (layer is not None and w["layer"] is not layer):
+            raise ValueError("matrices in one native call share one layer index")
+        if layer is None:  # a matrix outside the stack (the LM head): a stack of one
+            q, scale = q[None], scale[None]
+            minimum = None if minimum is None else minimum[None]
+        operands += [q, scale, jnp.zeros((0,), jnp.float16) if minimum is None else minimum]
+    call = jax.ffi.ffi_call(native.QMATMUL, [
+        jax.ShapeDtypeStruct((x.shape[0], w["q"].shape[-2]), jnp.float32) for w in ws])
+    return list(call(x, jnp.asarray(0 if layer is None else layer, jnp.int32), *operands))
+
+
+def linears(x: jax.Array, ws: list, *, native: bool = False, **kwargs) -> list[jax.Array]:
+    """`linear(x, w, ...)` for each of `ws` (same rows x): one native call for all where the
+    kernel takes every one of them (q, k and v; gate and up), else one product each."""
+    if native and 1 < len(ws) <= NATIVE_MAX_MATRICES and all(native_fits(x, w) for w in ws):
+        return native_linears(x, ws)
+    return [linear(x, w, native=native, **kwargs) for w in ws]
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:

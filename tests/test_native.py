@@ -24,7 +24,9 @@ from ops.quantization import (
     NATIVE_MAX_ROWS,
     QuantFormat,
     linear,
+    linears,
     native_fits,
+    native_linears,
     pack,
     quantize,
     scheme_format,
@@ -90,6 +92,28 @@ def test_kernel_matches_xla(fmt, packed, rows, cols):
             alone = np.asarray(jax.jit(lambda x, w: linear(x, w, native=True))(x, one))
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)
             np.testing.assert_allclose(alone, want, rtol=0, atol=2e-6 * scale)
+
+
+def test_one_call_multiplies_the_same_rows_by_several_matrices():
+    """q, k and v (or gate and up) in one call: each product as the kernel gives it alone,
+    for matrices of different formats and heights (their chunks of rows interleave over the
+    threads), one layer index for all."""
+    mats = [_stack(FORMATS["Q4_1"], 200, 256, packed=True, seed=3),
+            _stack(FORMATS["int8 per channel"], 64, 256, seed=4),
+            _stack(FORMATS["int4 group 128"], 96, 256, packed=True, seed=5),
+            _stack(FORMATS["Q8_0"], 40, 256, seed=6)]
+    rng = np.random.default_rng(7)
+    for t in (1, 5):
+        x = jnp.asarray(rng.standard_normal((t, 256)).astype(np.float32))
+        for n in (2, 3, 4):
+            got = jax.jit(lambda x, ws, layer: linears(
+                x, [stacked(w, layer) for w in ws], native=True))(x, mats[:n], jnp.int32(2))
+            assert [g.shape for g in got] == [(t, m["q"].shape[1]) for m in mats[:n]]
+            for g, m in zip(got, mats[:n], strict=True):
+                alone = jax.jit(lambda x, w: linear(x, stacked(w, 2), native=True))(x, m)
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(alone))
+    with pytest.raises(ValueError, match="share one layer"):
+        native_linears(x, [stacked(mats[0], 0), stacked(mats[1], 1)])
 
 
 def test_what_the_kernel_refuses_goes_to_xla():

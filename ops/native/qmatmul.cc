@@ -1,7 +1,9 @@
 // Copyright 2026 The xlaserve Authors. SPDX-License-Identifier: Apache-2.0
 //
 // y[T, O] = x[T, I] @ w[O, I]^T for a quantized w, as an XLA FFI custom call on CPU
-// (ops/native/__init__.py builds and registers it; ops/quantization.linear calls it).
+// (ops/native/__init__.py builds and registers it; ops/quantization.linear calls it), for up
+// to 4 matrices w of the same layer at once (ops/quantization.linears: a layer's q, k and v
+// projections, its gate and up ones).
 //
 // w is one layer l of a stacked parameter: values q[L, O, I] (one per int8: int4 in
 // [-8, 7], GGUF Q4_1's [0, 15] or int8) or 4-bit values packed two a byte, uint8
@@ -74,6 +76,7 @@ struct Problem {
   const float* xsum;      // [T, G]: each group's sum of x (one value per int8 with minimums)
   float* y;               // [T, O]
   int64_t T, I, O, G;
+  int shift;              // packed: log2 of the blocks of 32 per scale group
 };
 
 // The 32 weights of one packed block of 4-bit values (16 bytes, llama.cpp's Q4 layout: byte
@@ -92,8 +95,8 @@ inline void PackedWeights(const uint8_t* b, __m512 table, __m512* lo, __m512* hi
 // is hidden), held in registers; each scale group's table is made once for the N rows.
 template <int N>
 void PackedTile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
-  const int64_t I = p.I, G = p.G, per_group = I / G / 32;  // blocks per scale group
-  const int64_t B = I / 32;                                 // blocks per output row
+  const int64_t I = p.I, G = p.G, B = I / 32;  // blocks of 32 per output row
+  const int shift = p.shift;  // block b's group is b >> shift (a division cost more than a block)
   const float* x = p.x + t0 * I;
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) float sc[kMaxGroups], mn[kMaxGroups];
@@ -109,7 +112,7 @@ void PackedTile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
       for (int64_t g = 0; g < G; ++g) mn[g] = -8.0f * sc[g];
     }
     auto table = [&](int64_t b) {
-      const int64_t g = b / per_group;
+      const int64_t g = b >> shift;
       return _mm512_fmadd_ps(levels, _mm512_set1_ps(sc[g]), _mm512_set1_ps(mn[g]));
     };
     __m512 acc[N][4];
@@ -229,17 +232,27 @@ void Rows(const Problem& p, int64_t r0, int64_t r1) {
   }
 }
 
-// Chunks of output rows handed out to the caller and the pool's threads alike. A thread
-// that starts after the last chunk was taken touches nothing; the caller returns once
-// every chunk is done (the shared state outlives it in the late tasks' hands).
+// Up to kMaxMatrices products of the same rows x (a layer's q, k and v projections, its gate
+// and up ones) in one call: their chunks of output rows are handed out to the caller and the
+// pool's threads alike, so the threads split the matrices' rows together (k's and v's 192 rows
+// alone are 6 chunks for 2 threads) and wait once. A thread that starts after the last chunk
+// was taken touches nothing; the caller returns once every chunk is done (the shared state
+// outlives it in the late tasks' hands).
+constexpr int64_t kMaxMatrices = 4;
+
 struct Work {
-  Problem p;
-  int64_t num_chunks;
+  Problem p[kMaxMatrices];
+  int64_t first_chunk[kMaxMatrices + 1];  // matrix m's chunks are [first_chunk[m], first_chunk[m + 1])
+  int64_t n = 0;
+  std::vector<float> xsum[kMaxMatrices];
   std::atomic<int64_t> next{0}, done{0};
   void Run() {
+    const int64_t num_chunks = first_chunk[n];
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < num_chunks;) {
-      const int64_t r0 = c * kChunkRows;
-      Rows(p, r0, r0 + kChunkRows < p.O ? r0 + kChunkRows : p.O);
+      int64_t m = 0;
+      while (c >= first_chunk[m + 1]) ++m;
+      const int64_t r0 = (c - first_chunk[m]) * kChunkRows;
+      Rows(p[m], r0, r0 + kChunkRows < p[m].O ? r0 + kChunkRows : p[m].O);
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -248,52 +261,81 @@ struct Work {
 using Rows2 = ffi::Buffer<ffi::F32, 2>;    // x [T, I]
 using Halves3 = ffi::Buffer<ffi::F16, 3>;  // scale [L, O, G]
 using Index = ffi::Buffer<ffi::S32, 0>;    // layer
-using Out2 = ffi::ResultBuffer<ffi::F32, 2>;  // y [T, O]
+using Out2 = ffi::Buffer<ffi::F32, 2>;     // y [T, O]
 
-ffi::Error QMatmul(ffi::ThreadPool pool, Rows2 x, ffi::AnyBuffer q, Halves3 scale,
-                   ffi::AnyBuffer minimum, Index layer, Out2 y) {
-  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
-  const bool packed = q.element_type() == ffi::DataType::U8;
-  if (!packed && q.element_type() != ffi::DataType::S8)
+// Matrix m's operands are args 3m .. 3m + 2 (values, scales, minimums or [0]) and its
+// product is result m.
+ffi::Error Setup(const float* x, int64_t T, int64_t I, int64_t l, const ffi::RemainingArgs& args,
+                 const ffi::RemainingRets& rets, int64_t m, Work* work) {
+  auto q = args.get<ffi::AnyBuffer>(3 * m);
+  auto scale = args.get<Halves3>(3 * m + 1);
+  auto minimum = args.get<ffi::AnyBuffer>(3 * m + 2);
+  auto y = rets.get<Out2>(m);
+  if (!q.has_value() || !scale.has_value() || !minimum.has_value() || !y.has_value())
+    return ffi::Error::InvalidArgument("xlaserve_qmatmul: each matrix is values, float16 "
+                                       "scales and minimums, with a float32 result");
+  const auto qd = q->dimensions(), sd = scale->dimensions();
+  const bool packed = q->element_type() == ffi::DataType::U8;
+  if (!packed && q->element_type() != ffi::DataType::S8)
     return ffi::Error::InvalidArgument("xlaserve_qmatmul: values must be int8 or packed uint8");
   if (qd.size() != 3) return ffi::Error::InvalidArgument("xlaserve_qmatmul: values must be [L, O, I]");
-  const int64_t T = xd[0], I = xd[1], L = qd[0], O = qd[1], G = sd[2];
-  const int64_t l = *layer.typed_data();
+  const int64_t L = qd[0], O = qd[1], G = sd[2];
+  const auto yd = (*y)->dimensions();
   if (qd[2] * (packed ? 2 : 1) != I || sd[0] != L || sd[1] != O || G < 1 || G > kMaxGroups ||
-      I % G || (I / G) % (packed ? 32 : 16) || y->dimensions()[0] != T ||
-      y->dimensions()[1] != O)
+      I % G || (I / G) % (packed ? 32 : 16) || yd[0] != T || yd[1] != O)
     return ffi::Error::InvalidArgument("xlaserve_qmatmul: shapes do not agree");
+  const int64_t per_group = I / G / 32;  // packed: blocks per scale group, a power of two
+  if (packed && (per_group & (per_group - 1)))
+    return ffi::Error::InvalidArgument("xlaserve_qmatmul: packed groups must be 32 times a power of two");
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("xlaserve_qmatmul: layer out of range");
-  const bool has_min = minimum.element_count() != 0;
-  if (has_min && (minimum.element_type() != ffi::DataType::F16 ||
-                  minimum.element_count() != scale.element_count()))
+  const bool has_min = minimum->element_count() != 0;
+  if (has_min && (minimum->element_type() != ffi::DataType::F16 ||
+                  minimum->element_count() != scale->element_count()))
     return ffi::Error::InvalidArgument("xlaserve_qmatmul: minimums must match the scales");
-  if (T == 0) return ffi::Error::Success();
 
   const int64_t gs = I / G;
   // Packed values carry their minimums in each group's table; only one value per int8 with
   // minimums needs the group sums of x.
-  std::vector<float> xsum(has_min && !packed ? T * G : 0);
+  std::vector<float>& xsum = work->xsum[m];
+  xsum.resize(has_min && !packed ? T * G : 0);
   for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
-    const float* xg = x.typed_data() + (i / G) * I + (i % G) * gs;
+    const float* xg = x + (i / G) * I + (i % G) * gs;
     __m512 s = _mm512_setzero_ps();
     for (int64_t k = 0; k < gs; k += 16) s = _mm512_add_ps(s, _mm512_loadu_ps(xg + k));
     xsum[i] = _mm512_reduce_add_ps(s);
   }
+  work->p[m] = Problem{x,
+                       static_cast<const int8_t*>(q->untyped_data()) + l * O * (packed ? I / 2 : I),
+                       packed,
+                       reinterpret_cast<const uint16_t*>(scale->typed_data()) + l * O * G,
+                       has_min ? reinterpret_cast<const uint16_t*>(minimum->untyped_data()) + l * O * G
+                               : nullptr,
+                       xsum.data(), (*y)->typed_data(), T, I, O, G,
+                       packed ? __builtin_ctzll(per_group) : 0};
+  work->first_chunk[m + 1] = work->first_chunk[m] + (O + kChunkRows - 1) / kChunkRows;
+  return ffi::Error::Success();
+}
+
+ffi::Error QMatmul(ffi::ThreadPool pool, Rows2 x, Index layer, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets) {
+  const int64_t n = rets.size();
+  if (n < 1 || n > kMaxMatrices || args.size() != static_cast<size_t>(3 * n))
+    return ffi::Error::InvalidArgument("xlaserve_qmatmul: 1 to 4 matrices of 3 operands each");
+  const auto xd = x.dimensions();
+  const int64_t T = xd[0], I = xd[1], l = *layer.typed_data();
   auto work = std::make_shared<Work>();
-  work->p = Problem{x.typed_data(),
-                    static_cast<const int8_t*>(q.untyped_data()) + l * O * (packed ? I / 2 : I),
-                    packed,
-                    reinterpret_cast<const uint16_t*>(scale.typed_data()) + l * O * G,
-                    has_min ? reinterpret_cast<const uint16_t*>(minimum.untyped_data()) + l * O * G
-                            : nullptr,
-                    xsum.data(), y->typed_data(), T, I, O, G};
-  work->num_chunks = (O + kChunkRows - 1) / kChunkRows;
+  work->n = n;
+  work->first_chunk[0] = 0;
+  for (int64_t m = 0; m < n; ++m) {
+    ffi::Error error = Setup(x.typed_data(), T, I, l, args, rets, m, work.get());
+    if (error.failure()) return error;
+  }
+  if (T == 0) return ffi::Error::Success();
   int64_t helpers = pool.num_threads();
-  if (helpers > work->num_chunks - 1) helpers = work->num_chunks - 1;
+  if (helpers > work->first_chunk[n] - 1) helpers = work->first_chunk[n] - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
   work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->num_chunks) _mm_pause();
+  while (work->done.load(std::memory_order_acquire) < work->first_chunk[n]) _mm_pause();
   return ffi::Error::Success();
 }
 
@@ -302,9 +344,8 @@ ffi::Error QMatmul(ffi::ThreadPool pool, Rows2 x, ffi::AnyBuffer q, Halves3 scal
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveQMatmul, QMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<Rows2>()
-                                  .Arg<ffi::AnyBuffer>()  // q [L, O, I] int8 or [L, O, I / 2] uint8
-                                  .Arg<Halves3>()
-                                  .Arg<ffi::AnyBuffer>()  // min [L, O, G], or [0] for none
-                                  .Arg<Index>()
-                                  .Ret<Rows2>());
+                                  .Arg<Rows2>()  // x [T, I]
+                                  .Arg<Index>()  // the layer of every stack
+                                  .RemainingArgs()  // per matrix: q [L, O, I] int8 or [L, O, I / 2]
+                                                    // uint8, scale [L, O, G], min [L, O, G] or [0]
+                                  .RemainingRets());  // per matrix: y [T, O]
