@@ -318,8 +318,9 @@ def main(argv=None) -> int:
     if args.smoke and any("error" in r for r in rows):
         print("an implementation failed", file=sys.stderr)
         return 1
-    failed = [r for r in rows if r.get("rel_err", 0.0) > (2e-2 if args.dtype == "bfloat16"
-                                                          else 1e-4)]
+    # float16 keeps 11 bits (3.2e-4 measured against the float32 reference on CPU), bfloat16 8
+    tolerance = {"bfloat16": 2e-2, "float16": 2e-3}.get(args.dtype, 1e-4)
+    failed = [r for r in rows if r.get("rel_err", 0.0) > tolerance]
     if failed:
         print(f"{len(failed)} results disagree with the reference", file=sys.stderr)
         return 1
