@@ -317,7 +317,13 @@ ffi::Error Attention(ffi::ThreadPool pool, Rows3 q, ffi::AnyBuffer k, ffi::AnyBu
     }
   }
   const int64_t num = static_cast<int64_t>(work->items.size());
-  int64_t helpers = pairs < kInlineWork ? 0 : std::min<int64_t>(pool.num_threads(), num - 1);
+  // At most as many workers as the pool has threads, the caller included: the caller may
+  // be a thread outside the pool, and one worker more than the cores made waiters spin
+  // while a descheduled helper held the last item (2-vCPU EPYC, 64 decodes of 200 keys,
+  // alternating: 586-1,078 us a call against 524-552). qmatmul.cc keeps one helper per pool
+  // thread: the same change there measured no better (30 layers at 1 and 8 rows, and the
+  // engine bench's c=1 TPOT, 10.4-11.0 against 9.6-10.2 ms, inside the noise or worse).
+  int64_t helpers = pairs < kInlineWork ? 0 : std::min<int64_t>(pool.num_threads() - 1, num - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
   work->Run();
   while (work->done.load(std::memory_order_acquire) < num) _mm_pause();
