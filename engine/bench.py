@@ -82,19 +82,17 @@ def dense_seconds(runner: ModelRunner, num_tokens: int = 1, repeats: int = 30) -
     layers = nnx.to_pure_dict(nnx.state(model.layers))
     head = weight(model.top_params(), "embed" if cfg.tie_word_embeddings else "lm_head")
 
-    linear = model.linear  # as the model runs its matmuls
-
     @jax.jit
     def dense(layers, head, x):
         def layer(x, idx):
             p = model.layer_params(layers, idx)  # as the model reads its layers
             q, k, v = model.projects(x, p, ("wq", "wk", "wv"))
-            x = x + linear(q, weight(p, "wo")) + k.mean() + v.mean()
+            x = x + model.project(q, p, "wo") + k.mean() + v.mean()
             gate, up = model.projects(x, p, ("w_gate", "w_up"))
-            return x + linear(jax.nn.silu(gate) * up, weight(p, "w_down")), None
+            return x + model.project(jax.nn.silu(gate) * up, p, "w_down"), None
 
         x, _ = jax.lax.scan(layer, x, jnp.arange(cfg.num_layers, dtype=jnp.int32))
-        return linear(x, head, jnp.float32)
+        return model.linear(x, head, jnp.float32)  # as the model runs its head
 
     x = jnp.ones((num_tokens, cfg.hidden_size), runner.dtype) * 0.01
     return _best(lambda: dense(layers, head, x).block_until_ready(), repeats)

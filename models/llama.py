@@ -324,20 +324,23 @@ class Llama(nnx.Module):
 
     def project(self, x, p, name: str):
         """x times the layer's matrix `name` (its input is recorded while calibrating)."""
-        record(name, x)
-        return self.linear(x, weight(p, name))
+        return self.projects(x, p, (name,))[0]
 
     def projects(self, x, p, names: tuple[str, ...]) -> list:
-        """x times each of the layer's matrices `names` (one kernel call for all where the CPU
-        kernel runs them: q, k and v at one token read 3 matrices with 2 threads in one go)."""
+        """x times each of the layer's matrices `names`, inputs recorded while calibrating (one
+        kernel call for all where the CPU kernel runs them: q, k and v at one token read 3
+        matrices with 2 threads in one go)."""
         for name in names:
             record(name, x)
-        return linears(x, [weight(p, name) for name in names], chunked=self.mesh is None,
-                       int8_activations=self.int8_activations, native=self.native_matmuls)
+        return linears(x, [weight(p, name) for name in names], **self._matmul_options())
 
     def linear(self, x, w, out_dtype=None):
-        return linear(x, w, out_dtype, chunked=self.mesh is None,
-                      int8_activations=self.int8_activations, native=self.native_matmuls)
+        return linear(x, w, out_dtype, **self._matmul_options())
+
+    def _matmul_options(self) -> dict:
+        """How this model's matmuls run (ops.quantization.linear's keyword arguments)."""
+        return dict(chunked=self.mesh is None, int8_activations=self.int8_activations,
+                    native=self.native_matmuls)
 
     # ---- the head ----------------------------------------------------------------------
 

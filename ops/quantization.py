@@ -329,11 +329,11 @@ def native_linears(x: jax.Array, ws: list[dict]) -> list[jax.Array]:
     """x times each of up to 4 matrices (one layer index for all), in one call of
     ops/native/qmatmul.cc: their rows are split over the threads together."""
     layer = ws[0].get("layer")
+    if any(w.get("layer") is not layer for w in ws):
+        raise ValueError("matrices in one native call share one layer index")
     operands = []
     for w in ws:
         q, scale, minimum = w["q"], w["scale"], w.get("min")
-        if ("layer" in w) != (layer is not None) or (layer is not None and w["layer"] is not layer):
-            raise ValueError("matrices in one native call share one layer index")
         if layer is None:  # a matrix outside the stack (the LM head): a stack of one
             q, scale = q[None], scale[None]
             minimum = None if minimum is None else minimum[None]
