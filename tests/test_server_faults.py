@@ -39,7 +39,12 @@ def test_engine_death_under_load_fails_every_stream_then_serves_again(tokenizer)
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             started = [asyncio.Event() for _ in range(NUM_STREAMS)]
             runners[0].pause_after = 6  # the engine stalls in its 6th step ...
-            tasks = [asyncio.create_task(_stream(client, [100 + i], started[i]))
+            # Prompts 30..53: the fake's next tokens (31.., a few per stream before the
+            # fault) are single ASCII characters of this vocabulary (17..110), so the first
+            # token read back is text and its chunk goes out. (From id 111 the tokens are
+            # lone UTF-8 bytes, held back until they form a character: a stream that only
+            # had those would send nothing, and whether one did would depend on timing.)
+            tasks = [asyncio.create_task(_stream(client, [30 + i], started[i]))
                      for i in range(NUM_STREAMS)]
 
             def all_in_flight() -> bool:  # ... until every request is in and some stream
@@ -53,7 +58,7 @@ def test_engine_death_under_load_fails_every_stream_then_serves_again(tokenizer)
             runners[0].unpause()
             results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
             for events in results:
-                assert events[-1] == "[DONE]"
+                assert events[-1] == "[DONE]", events
                 assert events[-2]["error"]["code"] == "engine_unavailable", events[-2]
                 assert "injected fault" in events[-2]["error"]["message"]
                 assert all("choices" in e for e in events[:-2])
