@@ -59,6 +59,17 @@ def test_long_contexts_chunks_of_many_items_and_threads():
     check_kernel(kernel, _case(seqs + [(0, 0)]))
 
 
+@pytest.mark.parametrize("num_kv_heads, group", [(3, 3), (2, 8), (4, 1)])
+def test_a_few_rows_take_every_kv_head_in_one_item(num_kv_heads, group):
+    """A sequence whose rows times query heads fit one work item (48 query vectors) is one
+    item over all its KV heads (decodes, a few drafted rows); one with more rows is split
+    per KV head and block of rows. Both sides of that line, next to each other, with key
+    blocks that some rows see only in part and 1 to 6 query vectors per KV head."""
+    per_item = 48 // (num_kv_heads * group)  # the most rows of an all-heads item
+    seqs = [(1, 17), (per_item, 40), (per_item + 1, 41), (2, 2), (1, 1), (0, 0)]
+    check_kernel(kernel, _case(seqs, num_kv_heads=num_kv_heads, group=group))
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 8, 32])
 def test_pages_smaller_and_larger_than_a_block_of_keys(page_size):
     """The kernel reads keys 16 at a time and walks their pages by counting: pages that end

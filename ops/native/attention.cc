@@ -12,11 +12,15 @@
 // Why a kernel of our own: XLA:CPU runs the pure-JAX reference as gathers, small batched
 // dots and a loop of whole-array elementwise passes, and a 64-row decode step spent about
 // half its time there (docs/performance.md). Here each work item, one sequence's block of
-// up to kMaxQueries query vectors (rows x the query heads of one KV head), reads its keys
-// and values once, 16 at a time, converts them to float32 in registers, and folds them into
-// an online softmax in float32: the scores of a key block are one vector, their exp is
-// vectorised, and nothing beyond a row's own keys (causal, sliding window) is read. Work
-// items are handed to the caller and XLA's intra-op threads alike.
+// up to kMaxQueries query vectors, reads its keys and values once, 16 at a time, converts
+// them to float32, and folds them into an online softmax in float32: the scores of a key
+// block are one vector, their exp is vectorised, and nothing beyond a row's own keys
+// (causal, sliding window) is read. A sequence with few rows (a decode) is one item over
+// all its KV heads, so its pages are read in order; a longer chunk's items are rows x the
+// query heads of one KV head. Each value vector is loaded once for up to 4 queries of its
+// KV head, and the running maximum's exp is taken only when a block raises it (together:
+// 64 decodes of 200 keys 543-587 -> 458-472 us a call from cache, 2-vCPU EPYC). Work items
+// are handed to the caller and XLA's intra-op threads alike.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -95,7 +99,8 @@ struct Problem {
 };
 
 struct Item {
-  int64_t seq, row0, rows, head;  // query rows [row0, row0 + rows) of seq; its KV head
+  int64_t seq, row0, rows;  // query rows [row0, row0 + rows) of seq
+  int64_t head0, heads;     // its KV heads [head0, head0 + heads)
 };
 
 // One token's K or V of one KV head, as D floats in `dst`.
@@ -121,38 +126,60 @@ inline void Load(const void* pool, const float* scales, int64_t vec, int64_t D, 
   }
 }
 
-// acc[d0, d0 + 16W) = acc * scale + sum_j weights[j] * vf[j] over those W vectors of one
-// query's output: W independent chains of FMAs (one chain per 16 dims, looping over keys
-// inside, would wait on each FMA's latency: 4x slower at head_dim 64).
-template <int W>
-inline void AddValues(float* acc, const float* vf, const float* weights, int64_t n, int64_t D,
-                      int64_t d0, __m512 scale) {
-  __m512 o[W];
-  for (int w = 0; w < W; ++w) o[w] = _mm512_mul_ps(_mm512_load_ps(acc + d0 + 16 * w), scale);
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 wj = _mm512_set1_ps(weights[j]);
-    const float* vj = vf + j * D + d0;
-    for (int w = 0; w < W; ++w) o[w] = _mm512_fmadd_ps(wj, _mm512_load_ps(vj + 16 * w), o[w]);
+// For NQ queries xs of one KV head, acc[x][d0, d0 + 16W) = acc * corr[q] + sum_j
+// wts[q][j] * vf[j] over the block's n keys: each value vector is loaded once for the NQ
+// queries, and the NQ x W sums are independent chains of FMAs (one chain per 16 dims,
+// looping over keys inside, would wait on each FMA's latency).
+template <int W, int NQ>
+inline void AddTile(float* acc, const int64_t* xs, const float* wts, const float* corr,
+                    const float* vf, int64_t n, int64_t D, int64_t d0) {
+  __m512 o[NQ][W];
+  for (int q = 0; q < NQ; ++q) {
+    const __m512 c = _mm512_set1_ps(corr[q]);
+    for (int w = 0; w < W; ++w) o[q][w] = _mm512_mul_ps(_mm512_load_ps(acc + xs[q] * D + d0 + 16 * w), c);
   }
-  for (int w = 0; w < W; ++w) _mm512_store_ps(acc + d0 + 16 * w, o[w]);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 v[W];
+    for (int w = 0; w < W; ++w) v[w] = _mm512_load_ps(vf + j * D + d0 + 16 * w);
+    for (int q = 0; q < NQ; ++q) {
+      const __m512 wq = _mm512_set1_ps(wts[q * kKeys + j]);
+      for (int w = 0; w < W; ++w) o[q][w] = _mm512_fmadd_ps(wq, v[w], o[q][w]);
+    }
+  }
+  for (int q = 0; q < NQ; ++q)
+    for (int w = 0; w < W; ++w) _mm512_store_ps(acc + xs[q] * D + d0 + 16 * w, o[q][w]);
+}
+
+template <int NQ>
+inline void AddValues(float* acc, const int64_t* xs, const float* wts, const float* corr,
+                      const float* vf, int64_t n, int64_t D) {
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) AddTile<4, NQ>(acc, xs, wts, corr, vf, n, D, d);
+  if (D - d >= 32) { AddTile<2, NQ>(acc, xs, wts, corr, vf, n, D, d); d += 32; }
+  if (D - d >= 16) AddTile<1, NQ>(acc, xs, wts, corr, vf, n, D, d);
 }
 
 template <Pages kPages>
 void RunItem(const Problem& p, const Item& it) {
-  const int64_t D = p.D, G = p.H / p.Hkv, M = it.rows * G;
+  // Query vectors x = (KV head, row, group member), head-major: each KV head's block of
+  // keys is read once for its own rows x group.
+  const int64_t D = p.D, G = p.H / p.Hkv, per_head = it.rows * G, M = it.heads * per_head;
   const int64_t start = p.qsl[it.seq];
   const int64_t kv_len = std::min<int64_t>(p.kv_lens[it.seq], p.max_pages * p.page_size);
   const int64_t first_pos = kv_len - (p.qsl[it.seq + 1] - start);  // of the sequence's row 0
   const int32_t* table = p.tables + it.seq * p.max_pages;
   alignas(64) float qs[kMaxQueries * kMaxHeadDim], acc[kMaxQueries * kMaxHeadDim];
-  alignas(64) float kf[kKeys * kMaxHeadDim], vf[kKeys * kMaxHeadDim], weights[kKeys];
+  alignas(64) float kf[kKeys * kMaxHeadDim], vf[kKeys * kMaxHeadDim];
+  alignas(64) float wts[kMaxQueries * kKeys], corr[kMaxQueries];  // a head's block's
+  int64_t xs[kMaxQueries];  // ... weights and corrections, for its queries xs
   float m[kMaxQueries], l[kMaxQueries];
   int32_t lo[kMaxQueries], hi[kMaxQueries];  // each query's visible keys [lo, hi)
-  for (int64_t i = 0; i < it.rows; ++i) {
+  int64_t keys_end = 0;
+  for (int64_t x = 0; x < M; ++x) {
+    const int64_t h = it.head0 + x / per_head, i = x % per_head / G, g = x % G;
     const int64_t row = it.row0 + i, pos = first_pos + row - start;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t x = i * G + g;
-      const float* src = p.q + (row * p.H + it.head * G + g) * D;
+    {
+      const float* src = p.q + (row * p.H + h * G + g) * D;
       for (int64_t d = 0; d < D; d += 16) {
         _mm512_store_ps(qs + x * D + d,
                         _mm512_mul_ps(_mm512_loadu_ps(src + d), _mm512_set1_ps(p.sm_scale)));
@@ -162,75 +189,92 @@ void RunItem(const Problem& p, const Item& it) {
       l[x] = 0.0f;
       hi[x] = static_cast<int32_t>(std::max<int64_t>(pos + 1, 0));
       lo[x] = static_cast<int32_t>(p.window > 0 ? std::max<int64_t>(pos - p.window + 1, 0) : 0);
+      keys_end = std::max<int64_t>(keys_end, hi[x]);
     }
   }
-  const int64_t keys_end = hi[M - 1];  // rows are in order: the last sees the most keys
+  int64_t keys_begin = keys_end;
+  for (int64_t x = 0; x < M; ++x) keys_begin = std::min<int64_t>(keys_begin, lo[x]);
+  int64_t rows_at[kKeys];  // the block's keys' token rows in the pool (without the head)
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t j0 = lo[0] / kKeys * kKeys; j0 < keys_end; j0 += kKeys) {
+  for (int64_t j0 = keys_begin / kKeys * kKeys; j0 < keys_end; j0 += kKeys) {
     const int64_t n = std::min(kKeys, keys_end - j0);
     // The block's keys walk their pages in order: page and offset advance by counting
     // (two integer divisions per key cost more than the key's arithmetic at head_dim 64).
     int64_t slot = j0 / p.page_size, offset = j0 % p.page_size, base = -1;
-    for (int64_t j = 0; j < kKeys; ++j) {
-      if (j < n) {
-        if (base < 0 || offset == p.page_size) {
-          if (offset == p.page_size) ++slot, offset = 0;
-          // never read outside the pool
-          const int64_t page = std::clamp<int64_t>(table[slot], 0, p.num_pages - 1);
-          base = (p.layer * p.num_pages + page) * p.page_size;
-        }
-        const int64_t vec = (base + offset++) * p.Hkv + it.head;
-        Load<kPages>(p.k, p.k_scale, vec, D, kf + j * D);
-        Load<kPages>(p.v, p.v_scale, vec, D, vf + j * D);
-      } else {  // past the last key: zeros (their weights are 0; stale values could be NaN)
-        for (int64_t d = 0; d < D; d += 16) {
-          _mm512_store_ps(kf + j * D + d, _mm512_setzero_ps());
-          _mm512_store_ps(vf + j * D + d, _mm512_setzero_ps());
-        }
+    for (int64_t j = 0; j < n; ++j) {
+      if (base < 0 || offset == p.page_size) {
+        if (offset == p.page_size) ++slot, offset = 0;
+        // never read outside the pool
+        const int64_t page = std::clamp<int64_t>(table[slot], 0, p.num_pages - 1);
+        base = (p.layer * p.num_pages + page) * p.page_size;
       }
+      rows_at[j] = base + offset++;
     }
     const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j0)), lane);
-    for (int64_t x = 0; x < M; ++x) {
-      if (hi[x] <= j0 || lo[x] >= j0 + kKeys) continue;  // none of this block is visible
-      __m512 part[kKeys];
-      for (int64_t j = 0; j < kKeys; ++j) part[j] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m512 qd = _mm512_load_ps(qs + x * D + d);
-        for (int64_t j = 0; j < kKeys; ++j)
-          part[j] = _mm512_fmadd_ps(qd, _mm512_load_ps(kf + j * D + d), part[j]);
+    for (int64_t hh = 0; hh < it.heads; ++hh) {
+      const int64_t head = it.head0 + hh;
+      for (int64_t j = 0; j < kKeys; ++j) {  // this KV head's keys and values of the block
+        if (j < n) {
+          const int64_t vec = rows_at[j] * p.Hkv + head;
+          Load<kPages>(p.k, p.k_scale, vec, D, kf + j * D);
+          Load<kPages>(p.v, p.v_scale, vec, D, vf + j * D);
+        } else {  // past the last key: zeros (their weights are 0; stale values could be NaN)
+          for (int64_t d = 0; d < D; d += 16) {
+            _mm512_store_ps(kf + j * D + d, _mm512_setzero_ps());
+            _mm512_store_ps(vf + j * D + d, _mm512_setzero_ps());
+          }
+        }
       }
-      __m512 s = Sums16(part);  // [16] scores
-      if (p.soft_cap > 0.0f) {
-        alignas(64) float sv[kKeys];
-        _mm512_store_ps(sv, s);
-        for (int64_t j = 0; j < kKeys; ++j) sv[j] = p.soft_cap * std::tanh(sv[j] / p.soft_cap);
-        s = _mm512_load_ps(sv);
+      // Scores and softmax weights of each query that sees part of the block, then the
+      // values, up to 4 queries at a time.
+      int64_t live = 0;
+      for (int64_t x = hh * per_head; x < (hh + 1) * per_head; ++x) {
+        if (hi[x] <= j0 || lo[x] >= j0 + kKeys) continue;  // none of this block is visible
+        __m512 part[kKeys];
+        for (int64_t j = 0; j < kKeys; ++j) part[j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 qd = _mm512_load_ps(qs + x * D + d);
+          for (int64_t j = 0; j < kKeys; ++j)
+            part[j] = _mm512_fmadd_ps(qd, _mm512_load_ps(kf + j * D + d), part[j]);
+        }
+        __m512 s = Sums16(part);  // [16] scores
+        if (p.soft_cap > 0.0f) {
+          alignas(64) float sv[kKeys];
+          _mm512_store_ps(sv, s);
+          for (int64_t j = 0; j < kKeys; ++j) sv[j] = p.soft_cap * std::tanh(sv[j] / p.soft_cap);
+          s = _mm512_load_ps(sv);
+        }
+        const __mmask16 seen = _mm512_cmpge_epi32_mask(keys, _mm512_set1_epi32(lo[x])) &
+                               _mm512_cmplt_epi32_mask(keys, _mm512_set1_epi32(hi[x]));
+        const float m_block = _mm512_mask_reduce_max_ps(seen, s);
+        const float m_next = std::max(m[x], m_block);
+        // 0 before the first key; 1 (no exp) while the maximum stands, as in most blocks
+        const float correction = m_block > m[x] ? std::exp(m[x] - m_next) : 1.0f;
+        const __m512 w = _mm512_maskz_mov_ps(seen, Exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_next))));
+        l[x] = l[x] * correction + _mm512_reduce_add_ps(w);
+        m[x] = m_next;
+        _mm512_store_ps(wts + live * kKeys, w);
+        corr[live] = correction;
+        xs[live++] = x;
       }
-      const __mmask16 seen = _mm512_cmpge_epi32_mask(keys, _mm512_set1_epi32(lo[x])) &
-                             _mm512_cmplt_epi32_mask(keys, _mm512_set1_epi32(hi[x]));
-      const float m_next = std::max(m[x], _mm512_mask_reduce_max_ps(seen, s));
-      const float correction = std::exp(m[x] - m_next);  // 0 before the first key
-      const __m512 w = _mm512_maskz_mov_ps(seen, Exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_next))));
-      l[x] = l[x] * correction + _mm512_reduce_add_ps(w);
-      m[x] = m_next;
-      _mm512_store_ps(weights, w);
-      const __m512 scale = _mm512_set1_ps(correction);
-      float* a = acc + x * D;
-      int64_t d = 0;
-      for (; d + 128 <= D; d += 128) AddValues<8>(a, vf, weights, n, D, d, scale);
-      if (D - d >= 64) { AddValues<4>(a, vf, weights, n, D, d, scale); d += 64; }
-      if (D - d >= 32) { AddValues<2>(a, vf, weights, n, D, d, scale); d += 32; }
-      if (D - d >= 16) AddValues<1>(a, vf, weights, n, D, d, scale);
+      for (int64_t t = 0; t < live; t += 4) {
+        const int64_t* xt = xs + t;
+        const float *wt = wts + t * kKeys, *ct = corr + t;
+        switch (std::min<int64_t>(4, live - t)) {
+          case 1: AddValues<1>(acc, xt, wt, ct, vf, n, D); break;
+          case 2: AddValues<2>(acc, xt, wt, ct, vf, n, D); break;
+          case 3: AddValues<3>(acc, xt, wt, ct, vf, n, D); break;
+          default: AddValues<4>(acc, xt, wt, ct, vf, n, D); break;
+        }
+      }
     }
   }
-  for (int64_t i = 0; i < it.rows; ++i) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t x = i * G + g;
-      const __m512 inv = _mm512_set1_ps(l[x] > 0.0f ? 1.0f / l[x] : 0.0f);
-      float* dst = p.out + ((it.row0 + i) * p.H + it.head * G + g) * D;
-      for (int64_t d = 0; d < D; d += 16)
-        _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(acc + x * D + d), inv));
-    }
+  for (int64_t x = 0; x < M; ++x) {
+    const int64_t h = it.head0 + x / per_head, i = x % per_head / G, g = x % G;
+    const __m512 inv = _mm512_set1_ps(l[x] > 0.0f ? 1.0f / l[x] : 0.0f);
+    float* dst = p.out + ((it.row0 + i) * p.H + h * G + g) * D;
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(acc + x * D + d), inv));
   }
 }
 
@@ -310,11 +354,14 @@ ffi::Error Attention(ffi::ThreadPool pool, Rows3 q, ffi::AnyBuffer k, ffi::AnyBu
   int64_t pairs = 0;  // query-key pairs, to judge whether threads pay
   for (int64_t s = 0; s < S; ++s) {
     const int64_t r0 = std::max<int64_t>(starts[s], first), r1 = std::min<int64_t>(starts[s + 1], last);
-    for (int64_t r = r0; r < r1; r += block_rows) {
-      for (int64_t h = 0; h < Hkv; ++h)
-        work->items.push_back(Item{s, r, std::min(block_rows, r1 - r), h});
-      pairs += std::min(block_rows, r1 - r) * H * std::max<int64_t>(kv_lens.typed_data()[s], 0);
+    pairs += (r1 - r0) * H * std::max<int64_t>(kv_lens.typed_data()[s], 0);
+    if ((r1 - r0) * H <= kMaxQueries) {  // a decode: every KV head in one item, so a page's
+      if (r1 > r0) work->items.push_back(Item{s, r0, r1 - r0, 0, Hkv});  // rows are read in order
+      continue;
     }
+    for (int64_t r = r0; r < r1; r += block_rows)
+      for (int64_t h = 0; h < Hkv; ++h)
+        work->items.push_back(Item{s, r, std::min(block_rows, r1 - r), h, 1});
   }
   const int64_t num = static_cast<int64_t>(work->items.size());
   // At most as many workers as the pool has threads, the caller included: the caller may
