@@ -70,6 +70,15 @@ def test_a_few_rows_take_every_kv_head_in_one_item(num_kv_heads, group):
     check_kernel(kernel, _case(seqs, num_kv_heads=num_kv_heads, group=group))
 
 
+@pytest.mark.parametrize("kv_len, window, cap", [(600, None, None), (1000, 100, None),
+                                                 (130, None, 5.0), (129, 16, None)])
+def test_a_lone_long_decode_is_split_by_keys_over_the_threads(kv_len, window, cap):
+    """Fewer work items than XLA's threads: a decode of 64 keys or more is cut into parts by
+    keys, one a thread, whose softmax states are combined after (with a window, some parts
+    see no key at all)."""
+    check_kernel(kernel, _case([(1, kv_len), (0, 0)]), sliding_window=window, soft_cap=cap)
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 8, 32])
 def test_pages_smaller_and_larger_than_a_block_of_keys(page_size):
     """The kernel reads keys 16 at a time and walks their pages by counting: pages that end
