@@ -31,8 +31,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <utility>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -113,11 +113,13 @@ struct Item {
   float* partial = nullptr;
 };
 
-// Where query vector x of an item (head-major: KV head, row, group member) goes in out.
-inline float* OutRow(const Problem& p, const Item& it, int64_t x) {
+// Query vector x of an item (head-major: KV head, row, group member): its offset in q and
+// out [T, H, D], and its row.
+inline int64_t VectorAt(const Problem& p, const Item& it, int64_t x, int64_t* row = nullptr) {
   const int64_t G = p.H / p.Hkv, per_head = it.rows * G;
-  const int64_t h = it.head0 + x / per_head, i = x % per_head / G, g = x % G;
-  return p.out + ((it.row0 + i) * p.H + h * G + g) * p.D;
+  const int64_t h = it.head0 + x / per_head, r = it.row0 + x % per_head / G;
+  if (row) *row = r;
+  return (r * p.H + h * G + x % G) * p.D;
 }
 
 // One token's K or V of one KV head, as D floats in `dst`.
@@ -191,30 +193,27 @@ void RunItem(const Problem& p, const Item& it) {
   int64_t xs[kMaxQueries];  // ... weights and corrections, for its queries xs
   float m[kMaxQueries], l[kMaxQueries];
   int32_t lo[kMaxQueries], hi[kMaxQueries];  // each query's visible keys [lo, hi)
-  int64_t keys_end = 0;
+  int64_t keys_begin = std::numeric_limits<int64_t>::max(), keys_end = 0;  // any query's
   for (int64_t x = 0; x < M; ++x) {
-    const int64_t h = it.head0 + x / per_head, i = x % per_head / G, g = x % G;
-    const int64_t row = it.row0 + i, pos = first_pos + row - start;
-    {
-      const float* src = p.q + (row * p.H + h * G + g) * D;
-      for (int64_t d = 0; d < D; d += 16) {
-        _mm512_store_ps(qs + x * D + d,
-                        _mm512_mul_ps(_mm512_loadu_ps(src + d), _mm512_set1_ps(p.sm_scale)));
-        _mm512_store_ps(acc + x * D + d, _mm512_setzero_ps());
-      }
-      m[x] = -std::numeric_limits<float>::infinity();
-      l[x] = 0.0f;
-      hi[x] = static_cast<int32_t>(std::max<int64_t>(pos + 1, 0));
-      lo[x] = static_cast<int32_t>(p.window > 0 ? std::max<int64_t>(pos - p.window + 1, 0) : 0);
-      keys_end = std::max<int64_t>(keys_end, hi[x]);
+    int64_t row;
+    const float* src = p.q + VectorAt(p, it, x, &row);
+    const int64_t pos = first_pos + row - start;
+    for (int64_t d = 0; d < D; d += 16) {
+      _mm512_store_ps(qs + x * D + d,
+                      _mm512_mul_ps(_mm512_loadu_ps(src + d), _mm512_set1_ps(p.sm_scale)));
+      _mm512_store_ps(acc + x * D + d, _mm512_setzero_ps());
     }
+    m[x] = -std::numeric_limits<float>::infinity();
+    l[x] = 0.0f;
+    hi[x] = static_cast<int32_t>(std::max<int64_t>(pos + 1, 0));
+    lo[x] = static_cast<int32_t>(p.window > 0 ? std::max<int64_t>(pos - p.window + 1, 0) : 0);
+    keys_begin = std::min<int64_t>(keys_begin, lo[x]);
+    keys_end = std::max<int64_t>(keys_end, hi[x]);
   }
-  int64_t keys_begin = keys_end;
-  for (int64_t x = 0; x < M; ++x) keys_begin = std::min<int64_t>(keys_begin, lo[x]);
+  keys_begin = std::max(keys_begin, it.key0);  // a part of a split decode: its keys only
+  keys_end = std::min(keys_end, it.key1);
   int64_t rows_at[kKeys];  // the block's keys' token rows in the pool (without the head)
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  keys_begin = std::max(keys_begin, it.key0);
-  keys_end = std::min(keys_end, it.key1);
   for (int64_t j0 = keys_begin / kKeys * kKeys; j0 < keys_end; j0 += kKeys) {
     const int64_t n = std::min(kKeys, keys_end - j0);
     // The block's keys walk their pages in order: page and offset advance by counting
@@ -296,7 +295,7 @@ void RunItem(const Problem& p, const Item& it) {
   }
   for (int64_t x = 0; x < M; ++x) {
     const __m512 inv = _mm512_set1_ps(l[x] > 0.0f ? 1.0f / l[x] : 0.0f);
-    float* dst = OutRow(p, it, x);
+    float* dst = p.out + VectorAt(p, it, x);
     for (int64_t d = 0; d < D; d += 16)
       _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(acc + x * D + d), inv));
   }
@@ -317,7 +316,7 @@ void Combine(const Problem& p, const Item* parts, int64_t num_parts) {
       sum += part[M + x] * c;
       for (int64_t d = 0; d < D; ++d) o[d] += c * part[2 * M + x * D + d];
     }
-    float* dst = OutRow(p, parts[0], x);
+    float* dst = p.out + VectorAt(p, parts[0], x);
     for (int64_t d = 0; d < D; ++d) dst[d] = sum > 0.0f ? o[d] / sum : 0.0f;
   }
 }
