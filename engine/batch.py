@@ -162,7 +162,7 @@ class InputBatch:
         for i, name in enumerate(FLOAT_COLUMNS):
             self.floats[i] = NEUTRAL.get(name, 0.0)
         self.top_k = np.zeros(n + 1, np.int32)
-        self.num_top_logprobs = np.zeros(n + 1, np.int32)
+        self.num_top_logprobs = np.full(n + 1, -1, np.int32)  # -1: no logprobs
         self.seeds = np.zeros((n + 1, 2), np.uint32)
         self.banned = np.full((n + 1, MAX_BANNED), -1, np.int32)
         self.min_tokens = np.zeros(n + 1, np.int32)
@@ -190,7 +190,7 @@ class InputBatch:
         for i, name in enumerate(FLOAT_COLUMNS):
             self.floats[i, slot] = getattr(p, name)
         self.top_k[slot] = p.top_k
-        self.num_top_logprobs[slot] = p.logprobs or 0
+        self.num_top_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
         self.seeds[slot] = (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
         banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
         # A grammar decides itself when the end may come (its mask allows EOS exactly then).

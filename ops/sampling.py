@@ -16,9 +16,10 @@ Penalties read per-slot tables the engine keeps on the device (`output_counts`, 
 `count_sampled` after each draw; `prompt_mask`, set by `reset_slot` at admission), so no
 token lists travel per step. Work no row asks for is skipped by a `lax.cond` on a batch-wide
 predicate: penalties (two [S, V] gathers), the draw itself (all greedy), top-k/top-p, the
-bisections, the top-20 logprobs. That holds on CPU only (`_skip_unless`): on a GPU or TPU a
-conditional on device data makes the host wait for its predicate, so there the work runs
-unconditionally (each skipped branch equals the full one when no row asks for its work).
+bisections, the top-20 logprobs, the log-softmax (when no row asked for logprobs). That
+holds on CPU only (`_skip_unless`): on a GPU or TPU a conditional on device data makes the
+host wait for its predicate, so there the work runs unconditionally (each skipped branch
+equals the full one when no row asks for its work).
 Under `vmap` a cond becomes a select and runs both branches: call these on the whole batch.
 Ids banned before `min_tokens` and a grammar's packed token mask (the `constrained` rows'
 `token_mask`, engine/grammar.py) limit the pick only, so logprobs stay the model's own.
@@ -57,7 +58,9 @@ class SamplingMetadata:
     slots: jax.Array               # [S] i32: each row's row in the two tables below
     output_counts: jax.Array       # [N, V] i32: per slot, how often each id was generated
     prompt_mask: jax.Array         # [N, V] bool: per slot, the ids in the prompt
-    num_top_logprobs: jax.Array    # [S] i32: top logprobs the row wants; all 0 skips the top-20
+    num_top_logprobs: jax.Array    # [S] i32: the request's `logprobs`: -1 none (its logprob is
+                                   # NaN), 0 its token's only, N the top N too; all < 1 skips
+                                   # the top-20, all -1 the log-softmax
     banned_tokens: jax.Array       # [S, B] i32: ids the row may not pick now, padded with -1
                                    # (EOS and stop tokens before min_tokens is reached)
     constrained: jax.Array         # [S] i32: 1 where the row follows a grammar (token_mask)
@@ -82,7 +85,7 @@ class SamplingMetadata:
             slots=np.arange(s, dtype=np.int32),
             output_counts=np.zeros((s, vocab_size), np.int32),
             prompt_mask=np.zeros((s, vocab_size), bool),
-            num_top_logprobs=np.zeros(s, np.int32),
+            num_top_logprobs=np.full(s, -1, np.int32),
             banned_tokens=np.full((s, MAX_BANNED), -1, np.int32),
             constrained=np.zeros(s, np.int32),
             token_mask=np.zeros((s, -(-vocab_size // 32)), np.int32),
@@ -380,29 +383,42 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SampleOutput:
                          f"metadata, got {logits.shape}")
     logits = logits.astype(jnp.float32)
 
-    # Raw logprobs: log-softmax before penalties and temperature.
-    raw_max = jnp.max(logits, axis=-1, keepdims=True)
-    lse = raw_max + jnp.log(jnp.sum(jnp.exp(logits - raw_max), axis=-1, keepdims=True))
+    # Raw logprobs: log-softmax before penalties and temperature, for the rows that want them
+    # (its sum of V exps is most of a lone greedy row's sampling time).
+    wants = md.num_top_logprobs >= 0
+    lse = _skip_unless(jnp.any(wants), _logsumexp, lambda x: jnp.zeros_like(x[:, :1]), logits)
     top_ids, top_logprobs = _skip_unless(jnp.any(md.num_top_logprobs > 0), _top_logprobs,
                                          _no_top_logprobs, logits, lse)
-    wants = (md.num_top_logprobs > 0)[:, None]  # rows that asked for none: -1 / -inf
-    top_ids = jnp.where(wants, top_ids, -1)
-    top_logprobs = jnp.where(wants, top_logprobs, -jnp.inf)
+    wants_top = (md.num_top_logprobs > 0)[:, None]  # rows that asked for none: -1 / -inf
+    top_ids = jnp.where(wants_top, top_ids, -1)
+    top_logprobs = jnp.where(wants_top, top_logprobs, -jnp.inf)
 
-    # Banned ids (min_tokens) are masked for the pick only; logprobs stay raw. Rows whose
-    # every id is banned cannot occur: the engine bans at most MAX_BANNED of V ids.
-    logits_for_pick = _skip_unless(jnp.any(md.banned_tokens >= 0), _ban, lambda x, _: x,
-                                   logits, md.banned_tokens)
-    # A grammar's mask likewise, for its rows only (skipped when the step has none).
-    logits_for_pick = _skip_unless(jnp.any(md.constrained != 0), _allow,
-                                   lambda x, *_: x, logits_for_pick, md.token_mask,
-                                   md.constrained)
-    # The whole pick sits inside the penalty cond so that the common no-penalty branch reads
-    # the logits in place: a cond that returned [S, V] logits would copy them.
-    token_ids = _skip_unless(_penalties_active(md), lambda x, md: _pick(_penalize(x, md), md),
-                             _pick, logits_for_pick, md)
+    # Banned ids (min_tokens) and a grammar's mask (its rows only) limit the pick only;
+    # logprobs stay raw. Rows whose every id is banned cannot occur: the engine bans at most
+    # MAX_BANNED of V ids. The common case, no row with any of these or a penalty, picks
+    # from the logits in place: a cond that returned [S, V] logits would copy them.
+    modified = (jnp.any(md.banned_tokens >= 0) | jnp.any(md.constrained != 0)
+                | _penalties_active(md))
+    token_ids = _skip_unless(modified, _modified_pick, _pick, logits, md)
     logprobs = (jnp.take_along_axis(logits, token_ids[:, None], axis=-1) - lse)[:, 0]
+    logprobs = jnp.where(wants, logprobs, jnp.nan)
     return SampleOutput(token_ids, logprobs, top_ids, top_logprobs)
+
+
+def _logsumexp(logits: jax.Array) -> jax.Array:
+    x_max = jnp.max(logits, axis=-1, keepdims=True)
+    return x_max + jnp.log(jnp.sum(jnp.exp(logits - x_max), axis=-1, keepdims=True))
+
+
+def _modified_pick(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """`_pick` after banned ids, grammar masks and penalties, each skipped when no row has
+    it. The pick sits inside the penalty cond, as in `sample`."""
+    x = _skip_unless(jnp.any(md.banned_tokens >= 0), _ban, lambda x, _: x, logits,
+                     md.banned_tokens)
+    x = _skip_unless(jnp.any(md.constrained != 0), _allow, lambda x, *_: x, x, md.token_mask,
+                     md.constrained)
+    return _skip_unless(_penalties_active(md), lambda x, md: _pick(_penalize(x, md), md),
+                        _pick, x, md)
 
 
 def _allow(logits: jax.Array, token_mask: jax.Array, constrained: jax.Array) -> jax.Array:

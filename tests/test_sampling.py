@@ -309,6 +309,24 @@ def test_logprobs_are_raw_log_softmax_at_the_sampled_token():
     assert (np.diff(np.asarray(out.top_logprobs), axis=-1) <= 0).all()
 
 
+def test_rows_without_logprobs_get_nan_and_the_others_theirs():
+    # Row 0 asked for no logprobs (-1), row 1 for its token's only (0), row 2 for the top 2.
+    logits = np.stack([LOGITS, LOGITS[::-1], LOGITS])
+    md = metadata(3, num_top_logprobs=np.array([-1, 0, 2], np.int32))
+    out = sample_jit(jnp.asarray(logits), md)
+    ref = log_softmax64(logits)
+    tokens = np.asarray(out.token_ids)
+    np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+    assert np.isnan(out.logprobs[0])
+    np.testing.assert_allclose(out.logprobs[1:], ref[[1, 2], tokens[1:]], atol=2e-6)
+    assert (np.asarray(out.top_ids[:2]) == -1).all()
+    np.testing.assert_array_equal(out.top_ids[2, :2], np.argsort(-LOGITS)[:2])
+    # No row wants any: the log-softmax is skipped, the picks are the same.
+    alone = sample_jit(jnp.asarray(logits), metadata(3))
+    np.testing.assert_array_equal(alone.token_ids, tokens)
+    assert np.isnan(alone.logprobs).all()
+
+
 def test_top_logprobs_skipped_or_padded():
     out = sample_jit(jnp.asarray(LOGITS[None]), metadata(1))
     assert (np.asarray(out.top_ids) == -1).all() and np.isneginf(out.top_logprobs).all()
@@ -356,7 +374,7 @@ def test_new_parameter_values_do_not_recompile():
 
 def test_banned_tokens_are_never_picked_and_logprobs_stay_raw():
     # Row 0 greedy, row 1 sampled at a high temperature: token 1 (the argmax) and 5 banned.
-    md = metadata(2, temperature=np.array([0.0, 2.0], np.float32))
+    md = metadata(2, temperature=np.array([0.0, 2.0], np.float32), num_top_logprobs=0)
     md.banned_tokens[:, :2] = [1, 5]
     logits = np.stack([LOGITS, LOGITS])
     out = sample_jit(jnp.asarray(logits), md)
@@ -374,7 +392,7 @@ def test_a_grammar_mask_limits_its_rows_only():
     vocab = 40
     logits = np.tile(np.linspace(1.0, -1.0, vocab, dtype=np.float32), (3, 1))  # argmax: id 0
     md = metadata(3, vocab, temperature=np.array([0.0, 3.0, 0.0], np.float32),
-                  constrained=np.array([1, 1, 0], np.int32))
+                  constrained=np.array([1, 1, 0], np.int32), num_top_logprobs=0)
     for i in (3, 33, 39):
         md.token_mask[:2, i // 32] |= np.array(1 << (i % 32), np.uint32).view(np.int32)
     out = sample_jit(jnp.asarray(logits), md)
