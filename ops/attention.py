@@ -187,22 +187,18 @@ def _stored(x: jax.Array, dtype) -> jax.Array:
 
 
 def _write_kv(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:
-    page, offset = slot_mapping // cache.page_size, slot_mapping % cache.page_size
-    if k.shape[0] == 1:
-        # One row (a lone decode): a dynamic update slice in place. XLA turns a scatter of
-        # one row into that too, but with index vectors and a bounds check around it: 4
-        # more small kernels per layer and array, each a few microseconds on CPU.
-        at = (layer, page[0], offset[0], 0, 0)
-        put = lambda pages, x: jax.lax.dynamic_update_slice(
-            pages, x.reshape((1, 1, 1) + x.shape[1:]), at[:pages.ndim])
-    else:  # every slot is in bounds: padding rows write page 0's
-        put = lambda pages, x: pages.at[layer, page, offset].set(x, mode="promise_in_bounds")
+    page_size = cache.page_size
+    pages, offsets = slot_mapping // page_size, slot_mapping % page_size
     if not cache.quantized:
-        return KVCache(put(cache.k, _stored(k, cache.k.dtype)),
-                       put(cache.v, _stored(v, cache.v.dtype)))
+        return KVCache(
+            cache.k.at[layer, pages, offsets].set(_stored(k, cache.k.dtype)),
+            cache.v.at[layer, pages, offsets].set(_stored(v, cache.v.dtype)),
+        )
     (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-    return KVCache(put(cache.k, kq), put(cache.v, vq), put(cache.k_scale, ks),
-                   put(cache.v_scale, vs))
+    return KVCache(
+        cache.k.at[layer, pages, offsets].set(kq), cache.v.at[layer, pages, offsets].set(vq),
+        cache.k_scale.at[layer, pages, offsets].set(ks),
+        cache.v_scale.at[layer, pages, offsets].set(vs))
 
 
 def check_inputs(q, cache: KVCache, md: AttentionMetadata) -> None:
