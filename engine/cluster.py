@@ -8,7 +8,8 @@ channel (`multiprocessing.connection` on the coordinator's host, port + 1, HMAC-
 authenticated with XLASERVE_CLUSTER_KEY):
 
   ("runner", EngineConfig)  build a ModelRunner for this config (weights, KV pages)
-  ("run", (model, StepBatch))  run this padded batch through that model's compiled step
+  ("run", (model, StepBatch, fused))  run this padded batch through that model's compiled
+                               step (fused: as one executable, ModelRunner.submit)
 
 A follower that dies closes its connection: the leader's watcher marks the cluster lost,
 and every runner of the leader then refuses to step (`ClusterLost`), so in-flight requests
@@ -155,8 +156,8 @@ def follow(coordinator_address: str, retry_for: float = 300.0) -> int:
             if kind == "runner":
                 runners[payload.model] = ModelRunner(payload)
             elif kind == "run":
-                model, batch = payload
-                runners[model].run(batch)
+                model, batch, fused = payload  # the leader's choice of executables
+                runners[model].run(batch, fuse=fused)
             else:
                 raise ValueError(f"unknown step channel command {kind!r}")
     except Exception as e:

@@ -9,6 +9,10 @@ import dataclasses
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "w8a8")
 # The --kv-cache-dtype choices: ops.attention.KV_CACHE_DTYPES (held equal by a test too).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+# Decodes of up to this many sequences run body and head as one executable: a lone decode
+# saves ~0.5-1 ms a token with it (2-core CPU), 8 sequences nothing measurable, and each
+# fused executable holds ~30 MiB more (docs/performance.md).
+FUSED_MAX_SEQS = 1
 
 
 def parse_bytes(text: str | int) -> int:
@@ -118,11 +122,20 @@ class EngineConfig:
         sequence brings at least one token, and no step has more than max_num_seqs."""
         return min(num_tokens, self.max_num_seqs)
 
+    @property
+    def step_buckets(self) -> tuple[int, ...]:
+        """Decodes of up to FUSED_MAX_SEQS sequences, one token each (buckets (N, N)), run as
+        one executable, body and head together (a lone decode, at the default)."""
+        return tuple(n for n in self.seq_buckets
+                     if n <= FUSED_MAX_SEQS and n in self.token_buckets)
+
     def buckets(self) -> list[tuple[str, int]]:
-        """Every executable warmup compiles: ("tokens", T) bodies, ("seqs", S) heads, and the
-        one that resets a slot's penalty counts when a request with penalties takes it."""
+        """Every executable warmup compiles: ("tokens", T) bodies, ("seqs", S) heads, ("step",
+        N) body and head in one for the small decodes, and the one that resets a slot's
+        penalty counts when a request with penalties takes it."""
         return ([("tokens", t) for t in self.token_buckets]
-                + [("seqs", s) for s in self.seq_buckets] + [("penalties", 1)])
+                + [("seqs", s) for s in self.seq_buckets]
+                + [("step", n) for n in self.step_buckets] + [("penalties", 1)])
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """The (tokens T, sequences S) bucket of a step; warmup and runtime both come here."""

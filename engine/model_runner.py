@@ -247,6 +247,14 @@ class ModelRunner:
         return (_pack(out.token_ids, out.logprobs, out.top_ids, out.top_logprobs),
                 output_counts, last_tokens)
 
+    def _step(self, params, kv, output_counts, prompt_mask, last_tokens, buffer, ints, floats,
+              token_mask):
+        """A small decode's body and head in one executable (EngineConfig.step_buckets)."""
+        hidden, kv = self._body(params, kv, last_tokens, buffer)
+        outputs, output_counts, last_tokens = self._head(
+            params, hidden, output_counts, prompt_mask, last_tokens, ints, floats, token_mask)
+        return outputs, kv, output_counts, last_tokens
+
     def step_bytes(self, store_dir: str | None = None) -> int:
         """Temporary device memory of the largest step, from XLA's memory analysis of the
         largest body and head compiled against a 2-page KV pool (what a step allocates
@@ -312,6 +320,12 @@ class ModelRunner:
             batch = empty_batch(cfg, (1, size))
             host_args = (hidden, counts, mask, last, batch.sampling_ints, batch.sampling_floats,
                          np.zeros((size, mask_words(self.model_config.vocab_size)), np.int32))
+        elif kind == "step":
+            fn, donate = self._step, (1, 2, 4)
+            device_args = (self.params, self.kv if kv is None else kv, counts, mask, last)
+            batch = empty_batch(cfg, (size, size))
+            host_args = (batch.body, batch.sampling_ints, batch.sampling_floats,
+                         np.zeros((size, mask_words(self.model_config.vocab_size)), np.int32))
         elif kind == "penalties":
             fn, donate = reset_slot, (0, 1)
             device_args = (counts, mask)
@@ -324,8 +338,9 @@ class ModelRunner:
             abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype)
         else:  # host inputs and outputs replicated; pages stay split by KV head
             everywhere = replicated(self.mesh)
-            outs = {"tokens": (everywhere, self.kv_shardings),
-                    "seqs": everywhere, "penalties": everywhere}[kind]
+            outs = {"tokens": (everywhere, self.kv_shardings), "seqs": everywhere,
+                    "step": (everywhere, self.kv_shardings, everywhere, everywhere),
+                    "penalties": everywhere}[kind]
             step = jax.jit(fn, donate_argnums=donate, out_shardings=outs)
             abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=everywhere)
         return step.lower(*device_args, *jax.tree.map(abstract, host_args)).compile()
@@ -353,9 +368,12 @@ class ModelRunner:
                     progress(n, len(buckets), futures[done])
         compiled = time.perf_counter()
         # Each body with as many sequences as it holds: that runs every head too (each
-        # sequence bucket is some body's body_seqs), and nothing twice.
+        # sequence bucket is some body's body_seqs), and nothing twice; then the fused steps.
         for t in self.config.token_buckets:
-            self.run(empty_batch(self.config, self.config.bucket_for(t, self.config.body_seqs(t))))
+            self.run(empty_batch(self.config, self.config.bucket_for(t, self.config.body_seqs(t))),
+                     fuse=False)
+        for n in self.config.step_buckets:
+            self.run(empty_batch(self.config, (n, n)))
         spare = self.config.max_num_seqs
         self._reset_slots([(spare, np.zeros(0, np.int32), np.zeros(0, np.int32))])
         bar.close()
@@ -416,35 +434,48 @@ class ModelRunner:
             exe = self._executables[bucket] = self.compile_bucket(bucket)
         return exe
 
-    def submit(self, batch: StepBatch) -> PendingStep:
-        """Dispatch one step without waiting for it (the device runs steps in order)."""
+    def submit(self, batch: StepBatch, fuse: bool = True) -> PendingStep:
+        """Dispatch one step without waiting for it (the device runs steps in order). A small
+        decode without a grammar's mask runs as one executable (`fuse`: where the table has
+        it), any other step as its body then its head."""
         num_tokens, num_seqs = batch.bucket
-        body = self._executable(("tokens", num_tokens))
-        head = self._executable(("seqs", num_seqs))
+        fused = (fuse and num_tokens == num_seqs and batch.token_mask is None
+                 and num_tokens in self.config.step_buckets)
+        if fused:
+            step = self._executable(("step", num_tokens))
+        else:
+            body = self._executable(("tokens", num_tokens))
+            head = self._executable(("seqs", num_seqs))
         if self.cluster is not None:
             if batch.token_mask is not None:  # followers get the mask itself, not its maker
                 batch = dataclasses.replace(
                     batch, token_mask=functools.partial(np.asarray, batch.token_mask()))
-            self.cluster.send("run", (self.config.model, batch))
+            self.cluster.send("run", (self.config.model, batch, fused))
         _active.runner = self if self.warm else None
         try:
             if batch.resets:
                 self._reset_slots(batch.resets)
             counts, mask, last = self.slot_state
-            hidden, self.kv = body(self.params, self.kv, last, batch.body)
-            # A grammar's mask is computed while the device runs the body.
-            token_mask = (self._no_token_mask(num_seqs) if batch.token_mask is None
-                          else batch.token_mask())
-            outputs, counts, last = head(self.params, hidden, counts, mask, last,
-                                         batch.sampling_ints, batch.sampling_floats, token_mask)
+            if fused:
+                outputs, self.kv, counts, last = step(
+                    self.params, self.kv, counts, mask, last, batch.body, batch.sampling_ints,
+                    batch.sampling_floats, self._no_token_mask(num_seqs))
+            else:
+                hidden, self.kv = body(self.params, self.kv, last, batch.body)
+                # A grammar's mask is computed while the device runs the body.
+                token_mask = (self._no_token_mask(num_seqs) if batch.token_mask is None
+                              else batch.token_mask())
+                outputs, counts, last = head(self.params, hidden, counts, mask, last,
+                                             batch.sampling_ints, batch.sampling_floats,
+                                             token_mask)
             self.slot_state = counts, mask, last
         finally:
             _active.runner = None
         return PendingStep(outputs, batch.num_seqs)
 
-    def run(self, batch: StepBatch) -> StepResult:
+    def run(self, batch: StepBatch, fuse: bool = True) -> StepResult:
         """One step, waited for."""
-        return self.submit(batch).result()
+        return self.submit(batch, fuse).result()
 
     def _reset_slots(self, resets) -> None:
         reset = self._executable(("penalties", 1))

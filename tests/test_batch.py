@@ -35,8 +35,9 @@ def build(*entries: ScheduledSeq, batch: InputBatch | None = None, seeds=None):
 def test_buckets_are_one_body_per_token_count_and_one_head_per_sequence_count():
     assert CFG.token_buckets == (1, 2, 4, 8, 16, 32, 64)
     assert CFG.seq_buckets == (1, 2, 4, 8)
+    assert CFG.step_buckets == (1,)  # a lone decode: body and head in one
     assert CFG.buckets() == [("tokens", t) for t in CFG.token_buckets] + [
-        ("seqs", s) for s in CFG.seq_buckets] + [("penalties", 1)]
+        ("seqs", s) for s in CFG.seq_buckets] + [("step", 1), ("penalties", 1)]
     assert CFG.bucket_for(1, 1) == (1, 1)       # a lone decode is one row, not 16
     assert CFG.bucket_for(3, 3) == (4, 4)
     assert CFG.bucket_for(40, 3) == (64, 4)

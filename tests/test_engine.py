@@ -278,6 +278,38 @@ def test_overlapped_steps_give_the_same_outputs(engine):
     assert finishes == {"length", "stop"}  # both kinds of ending were exercised
 
 
+def test_fused_small_decodes_give_what_body_then_head_give(engine, plain, monkeypatch):
+    """A lone decode runs body and head as one executable; the same requests, each alone,
+    with every step chained (body, then head) give the same outputs: greedy (also equal to
+    plain decoding), seeded with logprobs, with penalties."""
+    from engine.config import EngineConfig
+
+    prompts, params = _mixed_workload(engine.tokenizer)
+    runner = engine.runner
+    fused = runner._executables[("step", 1)]
+    calls = []
+
+    def counting(*args):
+        calls.append(1)
+        return fused(*args)
+
+    got, logprobs = {}, {}
+    for fuse in (True, False):
+        if fuse:
+            monkeypatch.setitem(runner._executables, ("step", 1), counting)
+        else:
+            monkeypatch.setattr(EngineConfig, "step_buckets", property(lambda self: ()))
+        outs = [engine.generate([p], [params[i]])[0] for i, p in enumerate(prompts[:3])]
+        got[fuse] = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
+        logprobs[fuse] = [lp.logprob for o in outs for c in o.outputs for lp in c.logprobs or []]
+        if fuse:
+            assert len(calls) >= 40  # all but the first token of each request
+            assert_greedy_equal(got[True][0][0][0],
+                                plain.generate(engine.tokenizer.encode(prompts[0]), 20))
+    assert got[True] == got[False]
+    np.testing.assert_allclose(logprobs[True], logprobs[False], atol=2e-3)
+
+
 def test_penalties_match_a_host_reference_across_reused_slots(engine, plain):
     """Greedy decoding with repetition / frequency / presence penalties, counted on the device
     per slot, equals argmax over numpy-penalized logits of a plain forward pass. Two waves, so
