@@ -386,7 +386,8 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SampleOutput:
     # Raw logprobs: log-softmax before penalties and temperature, for the rows that want them
     # (its sum of V exps is most of a lone greedy row's sampling time).
     wants = md.num_top_logprobs >= 0
-    lse = _skip_unless(jnp.any(wants), _logsumexp, lambda x: jnp.zeros_like(x[:, :1]), logits)
+    lse = _skip_unless(jnp.any(wants), lambda x: jax.nn.logsumexp(x, axis=-1, keepdims=True),
+                       lambda x: jnp.zeros_like(x[:, :1]), logits)
     top_ids, top_logprobs = _skip_unless(jnp.any(md.num_top_logprobs > 0), _top_logprobs,
                                          _no_top_logprobs, logits, lse)
     wants_top = (md.num_top_logprobs > 0)[:, None]  # rows that asked for none: -1 / -inf
@@ -403,11 +404,6 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SampleOutput:
     logprobs = (jnp.take_along_axis(logits, token_ids[:, None], axis=-1) - lse)[:, 0]
     logprobs = jnp.where(wants, logprobs, jnp.nan)
     return SampleOutput(token_ids, logprobs, top_ids, top_logprobs)
-
-
-def _logsumexp(logits: jax.Array) -> jax.Array:
-    x_max = jnp.max(logits, axis=-1, keepdims=True)
-    return x_max + jnp.log(jnp.sum(jnp.exp(logits - x_max), axis=-1, keepdims=True))
 
 
 def _modified_pick(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
