@@ -88,6 +88,29 @@ def _size(layout: dict[str, tuple[int, tuple]]) -> int:
     return max(off + int(np.prod(shape)) for off, shape in layout.values())
 
 
+@functools.cache
+def _template(config: EngineConfig, bucket: tuple[int, int]):
+    """An all-padding bucket's buffers and each body view's (name, start, end, shape): what
+    `empty_batch` copies every step (the numpy calls that lay them out cost more than the
+    rest of a lone decode's batch). Cached; callers copy the buffers before writing."""
+    t, s = bucket
+    layout = body_layout(config, t)
+    body = np.zeros(_size(layout), np.int32)
+    views = [(name, off, off + int(np.prod(shape)), shape) for name, (off, shape) in layout.items()]
+    for name, start, end, _ in views:
+        if name in ("token_seq", "token_slot"):
+            body[start:end] = -1
+    ints = np.zeros((sum(INT_COLUMNS.values()), s), np.int32)
+    layout_s = sampling_layout()
+    r, k = layout_s["banned_tokens"]
+    ints[r:r + k] = -1
+    ints[layout_s["slots"][0]] = config.max_num_seqs  # the spare, neutral slot
+    floats = np.zeros((len(FLOAT_COLUMNS), s), np.float32)
+    for i, name in enumerate(FLOAT_COLUMNS):
+        floats[i] = NEUTRAL.get(name, 0.0)
+    return body, ints, floats, views
+
+
 @dataclasses.dataclass
 class StepBatch:
     """One step's inputs. The model body sees the token rows (T) and the attention metadata of
@@ -129,23 +152,11 @@ class StepBatch:
 
 def empty_batch(config: EngineConfig, bucket: tuple[int, int]) -> StepBatch:
     """An all-padding batch of a bucket's shape (warmup runs these)."""
-    t, s = bucket
-    layout = body_layout(config, t)
-    body = np.zeros(_size(layout), np.int32)
-    views = {name: body[off:off + int(np.prod(shape))].reshape(shape)
-             for name, (off, shape) in layout.items()}
-    views["token_seq"][:] = -1
-    views["token_slot"][:] = -1
-    ints = np.zeros((sum(INT_COLUMNS.values()), s), np.int32)
-    layout_s = sampling_layout()
-    r, k = layout_s["banned_tokens"]
-    ints[r:r + k] = -1
-    ints[layout_s["slots"][0]] = config.max_num_seqs  # the spare, neutral slot
-    floats = np.zeros((len(FLOAT_COLUMNS), s), np.float32)
-    for i, name in enumerate(FLOAT_COLUMNS):
-        floats[i] = NEUTRAL.get(name, 0.0)
-    return StepBatch(bucket=bucket, num_seqs=0, body=body, sampling_ints=ints,
-                     sampling_floats=floats, views=views)
+    body, ints, floats, layout = _template(config, bucket)
+    body = body.copy()
+    views = {name: body[start:end].reshape(shape) for name, start, end, shape in layout}
+    return StepBatch(bucket=bucket, num_seqs=0, body=body, sampling_ints=ints.copy(),
+                     sampling_floats=floats.copy(), views=views)
 
 
 class InputBatch:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 # The --quantization choices: ops.quantization.CHOICES (this module imports no jax; a test
 # holds the two equal).
@@ -35,6 +36,7 @@ def parse_bytes(text: str | int) -> int:
     return int(value)
 
 
+@functools.cache  # the buckets are asked for at every step
 def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
     out, n = [], lo
     while n < hi:

@@ -18,8 +18,10 @@ How the matmul runs is chosen per static shape, from measurements on XLA:CPU (2-
 Rapids, the default model's matrices; docs/performance.md):
 - up to NATIVE_MAX_ROWS rows of float32 on one CPU device: xlaserve's own kernel
   (ops/native/qmatmul.cc, an XLA FFI custom call built on first use). It converts each
-  group's values to float in registers, multiplies in float32 (weight-only: no activation
-  quantization) and splits the output rows over XLA's intra-op threads. XLA's own one-row
+  group's values to float in registers and multiplies in float32, or for a lone row of 4-bit
+  values runs exact integer dot products with the row at float32's precision per block
+  (weight-only: no activation quantization), and splits the output rows over XLA's
+  intra-op threads. XLA's own one-row
   product runs on one thread, and at 2-8 rows XLA materializes the dequantized matrix
   before its dot (30 layers at 2 rows: 8.4 ms against 33.4). A model whose matmuls run
   there (`runs_native`) holds its 4-bit matrices packed two values a byte in llama.cpp's
@@ -46,7 +48,7 @@ coarse next to a row's outlier channels, which models/smoothing.py moves into th
 load (the default model: teacher-forced agreement 0.90 without it, 0.93-0.94 with it, 0.96
 for int8 weights alone). Scales per 64 or 192 inputs were closer (0.95, 0.93 unsmoothed) but
 their partial sums cost more than they saved (docs/performance.md).
-Without the kernel (no C++ compiler, no AVX-512, XLASERVE_NATIVE_KERNELS=0, a mesh, or
+Without the kernel (no C++ compiler, no AVX-512 VNNI, XLASERVE_NATIVE_KERNELS=0, a mesh, or
 bfloat16 activations), 4-bit values are held one per int8 on CPU: XLA:CPU does not fuse the
 unpacking of two values from a byte into its matrix-vector product (packed int4, or nibbles
 unpacked with shifts and masks, run 9-15x slower than int8 at one row; measured). Other

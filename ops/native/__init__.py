@@ -6,7 +6,7 @@ when it runs), and `attention.cc`, ragged paged attention over the KV pool
 (ops/cpu_attention.py). They are compiled together with the machine's C++ compiler for the
 machine's own CPU (`-march=native`) into one library in the user cache, keyed by the
 sources, the compiler, the CPU's features and jaxlib's FFI headers, then registered with
-XLA. Where it cannot be built (no compiler, a CPU without AVX-512) or is
+XLA. Where it cannot be built (no compiler, a CPU without AVX-512 VNNI) or is
 turned off (`XLASERVE_NATIVE_KERNELS=0`), `available()` is False, the reason is logged
 once, and the pure-XLA paths run instead (XLA's dot, the reference attention): same
 results up to float summation order.
