@@ -14,7 +14,9 @@ of time is reported and the next one runs):
    kernel, with the copy and matmul ceilings of the same run.
 4. `python -m engine.bench --random-weights --config llama-3-8b --dtype bfloat16` at batch 1
    and 64, with the HBM copy and matmul ceilings; the decode at batch 1 is reported as a
-   fraction of the copy bandwidth (weight + KV bytes a step / TPOT).
+   fraction of the copy bandwidth (weight + KV bytes a step / TPOT). Then batch 1 again with
+   `--quantization int8` (issue 14): its TPOT beside the bfloat16 one, and its bytes (one a
+   weight) over the copy bandwidth, the floor a weight-only int8 decode could reach.
 5. the same for the default model's shape (smollm2-135m).
 6. a server smoke test: a random-weight HF directory of the default model's shape (a
    word-level tokenizer), `python -m server` on it, a completion, a streamed completion and
@@ -115,11 +117,13 @@ def kv_bytes_per_token(preset: str, itemsize: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def engine_bench(name, preset, dtype, batch, out, timeout, smoke) -> dict:
+def engine_bench(name, preset, dtype, batch, out, timeout, smoke, quantization=None) -> dict:
     n_in, n_out = (16, 8) if smoke else (128, 128)
     cmd = [sys.executable, "-m", "engine.bench", "--random-weights", "--config", preset,
            "--dtype", dtype, "--input-len", str(n_in), "--output-len", str(n_out),
            "--ignore-eos", "--output", str(out / f"{name}.json")]
+    if quantization:
+        cmd += ["--quantization", quantization]
     if batch == 1:
         cmd += ["--num-prompts", "2" if smoke else "4", "--concurrency", "1"]
     else:
@@ -133,10 +137,12 @@ def engine_bench(name, preset, dtype, batch, out, timeout, smoke) -> dict:
         step["result"] = {k: res.get(k) for k in ENGINE_FIELDS}
         itemsize = 2 if dtype in ("bfloat16", "float16") else 4
         if batch == 1 and res.get("median_tpot_ms") and res.get("copy_bytes_per_s"):
-            # Bytes a decode step must read: every weight once, plus the KV of its context
-            # (about the prompt and half the output).
-            step_bytes = (weight_bytes(preset, itemsize)
+            # Bytes a decode step must read: every weight once (int8: a byte each; the scales
+            # and norms are ~0.1% more), plus the KV of its context (about the prompt and half
+            # the output).
+            step_bytes = (weight_bytes(preset, 1 if quantization == "int8" else itemsize)
                           + kv_bytes_per_token(preset, itemsize) * (n_in + n_out // 2))
+            step["result"]["floor_tpot_ms"] = step_bytes / res["copy_bytes_per_s"] * 1e3
             achieved = step_bytes / (res["median_tpot_ms"] / 1e3)
             step["result"]["decode_bytes_per_s"] = achieved
             step["result"]["hbm_fraction"] = achieved / res["copy_bytes_per_s"]
@@ -249,15 +255,17 @@ def markdown(report: dict) -> str:
         lines.append(f"| {s['name']} | {ok} | {s.get('seconds', 0):.0f} |")
     benches = [s for s in report["steps"] if "result" in s]
     if benches:
-        lines += ["", "| engine.bench | TPOT ms | out tok/s | TTFT ms | dense/ceiling | "
-                  "HBM fraction (b=1) | matmul TFLOP/s | copy GB/s | warmup s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| engine.bench | TPOT ms | floor ms (b=1: bytes / copy) | out tok/s | "
+                  "TTFT ms | dense/ceiling | HBM fraction (b=1) | matmul TFLOP/s | copy GB/s | "
+                  "warmup s |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for s in benches:
             r = s["result"]
             def f(k, scale=1.0, fmt="{:.1f}", r=r):
                 return "" if r.get(k) is None else fmt.format(r[k] * scale)
 
-            lines.append(f"| {s['name']} | {f('median_tpot_ms')} | {f('output_throughput')} | "
+            lines.append(f"| {s['name']} | {f('median_tpot_ms')} | "
+                         f"{f('floor_tpot_ms', fmt='{:.2f}')} | {f('output_throughput')} | "
                          f"{f('median_ttft_ms')} | {f('ceiling_fraction', fmt='{:.3f}')} | "
                          f"{f('hbm_fraction', fmt='{:.2f}')} | "
                          f"{f('matmul_flops_per_s', 1e-12, '{:.1f}')} | "
@@ -327,6 +335,9 @@ def main(argv=None) -> int:
             if name in skip or f"engine_{label}" in skip:
                 continue
             steps.append(engine_bench(name, preset, dtype, batch, out, limit, smoke))
+            if batch == 1 and preset in ("tiny", "llama-3-8b") and f"{name}_int8" not in skip:
+                steps.append(engine_bench(f"{name}_int8", preset, dtype, 1, out,
+                                          limit if smoke else 120, smoke, "int8"))
 
     if "server" not in skip:
         steps.append(server_smoke(out, "tiny" if smoke else "smollm2-135m",

@@ -20,13 +20,16 @@ def test_gpu_check_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     names = [s["name"] for s in report["steps"]]
-    assert names == ["kernel_tests", "attention_bench", "engine_tiny_b1", "engine_tiny_b8",
-                     "server"]
+    assert names == ["kernel_tests", "attention_bench", "engine_tiny_b1", "engine_tiny_b1_int8",
+                     "engine_tiny_b8", "server"]
     assert all(s["ok"] for s in report["steps"])
     on_cpu = "cpu" if native.available() else "reference"  # our kernel where it was built
     assert report["environment"]["auto_attention_backend"] == on_cpu
     b1 = next(s for s in report["steps"] if s["name"] == "engine_tiny_b1")["result"]
     assert b1["compilations_after_warmup"] == 0 and b1["hbm_fraction"] > 0
+    int8 = next(s for s in report["steps"] if s["name"] == "engine_tiny_b1_int8")["result"]
+    assert int8["compilations_after_warmup"] == 0
+    assert 0 < int8["floor_tpot_ms"] < b1["floor_tpot_ms"]  # a byte a weight, not float32's 4
     assert report["attention_summary"] and all(r["rel_err"] < 1e-2
                                                 for r in report["attention_summary"])
     server = report["steps"][-1]
