@@ -208,9 +208,9 @@ void Prepare(const float* x, int64_t I, Prepared* out) {
 // VNNI dot products into 32-bit lanes (4 inputs of one block each), an exact integer sum, then a
 // float times the block's weight scale and x's; each block's minimum times its sum of x is
 // added at the end. For one row this runs fewer instructions than `PackedTile<1>`, which turns
-// each weight into a float (measured on the default model's matrices: 0.5-1 ms a token less
-// on a 2-vCPU Zen 4, docs/performance.md); from 2 rows on, that float weight serves every row
-// and `PackedTile` is faster. The result differs from the float product only by x's rounding
+// each weight into a float (the default model's lone decode: ~0.7 ms a step less on a 2-vCPU
+// Zen 4, docs/performance.md); from 2 rows on, that float weight serves every row and
+// `PackedTile` is faster. The result differs from the float product only by x's rounding
 // to 24 bits per block, as float32's own at the block's largest value.
 void PackedRow(const Problem& p, int64_t t, int64_t r0, int64_t r1) {
   const Prepared& x = *p.prep;
@@ -370,7 +370,7 @@ struct Work {
   int64_t first_chunk[kMaxMatrices + 1];  // matrix m's chunks are [first_chunk[m], first_chunk[m + 1])
   int64_t n = 0;
   std::vector<float> xsum[kMaxMatrices];
-  Prepared prep;  // x's digits, when a matrix is packed
+  Prepared prep;  // the last row's digits, when it has a tile of its own and a matrix is packed
   std::atomic<int64_t> next{0}, done{0};
   void Run() {
     const int64_t num_chunks = first_chunk[n];
