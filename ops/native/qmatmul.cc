@@ -85,6 +85,23 @@ struct Problem {
   int shift;              // packed: log2 of the blocks of 32 per scale group
 };
 
+// Packed output row o: its values, read ahead kAhead rows on, and its scales and minimums
+// as float32 in sc and mn (symmetric values are stored plus 8: minimum = -8 * scale).
+inline const uint8_t* PackedRowStart(const Problem& p, int64_t o, float* sc, float* mn) {
+  const int64_t G = p.G, row = p.I / 2;
+  const uint8_t* qo = reinterpret_cast<const uint8_t*>(p.q) + o * row;
+  Prefetch(qo + kAhead * row, row);
+  Prefetch(p.scale + (o + kAhead) * G, 2 * G);
+  if (p.minimum) Prefetch(p.minimum + (o + kAhead) * G, 2 * G);
+  Halves(p.scale + o * G, G, sc);
+  if (p.minimum) {
+    Halves(p.minimum + o * G, G, mn);
+  } else {
+    for (int64_t g = 0; g < G; ++g) mn[g] = -8.0f * sc[g];
+  }
+  return qo;
+}
+
 // The 32 weights of one packed block of 4-bit values (16 bytes, llama.cpp's Q4 layout: byte
 // j holds value j in its low nibble, value j + 16 in its high one) as two vectors, when the
 // group's 16 possible weights, scale * k + minimum, are the lanes of `table`: each nibble
@@ -101,22 +118,13 @@ inline void PackedWeights(const uint8_t* b, __m512 table, __m512* lo, __m512* hi
 // is hidden), held in registers; each scale group's table is made once for the N rows.
 template <int N>
 void PackedTile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
-  const int64_t I = p.I, G = p.G, B = I / 32;  // blocks of 32 per output row
+  const int64_t I = p.I, B = I / 32;  // blocks of 32 per output row
   const int shift = p.shift;  // block b's group is b >> shift (a division cost more than a block)
   const float* x = p.x + t0 * I;
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) float sc[kMaxGroups], mn[kMaxGroups];
   for (int64_t o = r0; o < r1; ++o) {
-    const uint8_t* qo = reinterpret_cast<const uint8_t*>(p.q) + o * (I / 2);
-    Prefetch(qo + kAhead * (I / 2), I / 2);
-    Prefetch(p.scale + (o + kAhead) * G, 2 * G);
-    if (p.minimum) Prefetch(p.minimum + (o + kAhead) * G, 2 * G);
-    Halves(p.scale + o * G, G, sc);
-    if (p.minimum) {
-      Halves(p.minimum + o * G, G, mn);
-    } else {  // symmetric values are stored plus 8
-      for (int64_t g = 0; g < G; ++g) mn[g] = -8.0f * sc[g];
-    }
+    const uint8_t* qo = PackedRowStart(p, o, sc, mn);
     auto table = [&](int64_t b) {
       const int64_t g = b >> shift;
       return _mm512_fmadd_ps(levels, _mm512_set1_ps(sc[g]), _mm512_set1_ps(mn[g]));
@@ -226,16 +234,7 @@ void PackedRow(const Problem& p, int64_t t, int64_t r0, int64_t r1) {
   const float* block_scale = shift ? bs : sc;
   const float* block_min = shift ? bm : mn;
   for (int64_t o = r0; o < r1; ++o) {
-    const uint8_t* qo = reinterpret_cast<const uint8_t*>(p.q) + o * (p.I / 2);
-    Prefetch(qo + kAhead * (p.I / 2), p.I / 2);
-    Prefetch(p.scale + (o + kAhead) * G, 2 * G);
-    if (p.minimum) Prefetch(p.minimum + (o + kAhead) * G, 2 * G);
-    Halves(p.scale + o * G, G, sc);
-    if (p.minimum) {
-      Halves(p.minimum + o * G, G, mn);
-    } else {  // symmetric values are stored plus 8
-      for (int64_t g = 0; g < G; ++g) mn[g] = -8.0f * sc[g];
-    }
+    const uint8_t* qo = PackedRowStart(p, o, sc, mn);
     if (shift) {
       for (int64_t b = 0; b < B; ++b) bs[b] = sc[b >> shift], bm[b] = mn[b >> shift];
     }
