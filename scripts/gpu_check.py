@@ -4,23 +4,28 @@
     python scripts/gpu_check.py --smoke --out DIR   # the same steps on CPU, tiny shapes (CI)
 
 Steps, each a subprocess with its own time limit and log in DIR (a step that fails or runs out
-of time is reported and the next one runs):
+of time is reported and the next one runs; the most wanted run first, and those the deadline
+leaves no time for are reported as skipped):
 
 1. environment: python, jax/jaxlib/flax versions, devices and compute capability, the
    attention backend `auto` picks, nvidia-smi.
-2. kernel tests: tests/test_pallas_gpu_attention.py compiled for the GPU (interpret mode
-   only under --smoke, and a subset).
-3. `python -m ops.bench_attention`: our kernels against the reference and JAX's bundled
-   kernel, with the copy and matmul ceilings of the same run.
-4. `python -m engine.bench --random-weights --config llama-3-8b --dtype bfloat16` at batch 1
-   and 64, with the HBM copy and matmul ceilings; the decode at batch 1 is reported as a
-   fraction of the copy bandwidth (weight + KV bytes a step / TPOT). Then batch 1 again with
-   `--quantization int8` (issue 14): its TPOT beside the bfloat16 one, and its bytes (one a
-   weight) over the copy bandwidth, the floor a weight-only int8 decode could reach.
-5. the same for the default model's shape (smollm2-135m).
+2. `python -m engine.bench --random-weights --config llama-3-8b --dtype bfloat16` at batch 1
+   (one sequence's limits: a few executables), with the HBM copy and matmul ceilings; the
+   decode is reported as a fraction of the copy bandwidth (weight + KV bytes a step / TPOT)
+   and beside its floor. Then the same with `--quantization int8` (issue 14): its TPOT
+   beside the bfloat16 one, and its bytes (one a weight) over the copy bandwidth.
+3. `python -m ops.bench_quantization`: float, int8 and int4 matmuls of the 8B MLP's shape at
+   1-256 rows, and whether XLA fused each dequantization into its dot.
+4. the 8B engine at batch 64 (the engine's default limits).
+5. kernel tests: the attention kernels over float16, bfloat16, fp8 and int8 KV pages, and
+   tests/test_pallas_gpu_attention.py, compiled for the GPU (interpret mode and a subset
+   under --smoke).
 6. a server smoke test: a random-weight HF directory of the default model's shape (a
    word-level tokenizer), `python -m server` on it, a completion, a streamed completion and
    /metrics.
+7. `python -m ops.bench_attention`: our kernels against the reference and JAX's bundled
+   kernel, with the copy and matmul ceilings of the same run.
+8. the engine bench for the default model's shape (smollm2-135m) at batch 1 and 64.
 
 Writes DIR/gpu_check.json (everything) and DIR/gpu_check.md (the tables for
 docs/performance.md). Exits non-zero when a step failed.
@@ -126,6 +131,8 @@ def engine_bench(name, preset, dtype, batch, out, timeout, smoke, quantization=N
         cmd += ["--quantization", quantization]
     if batch == 1:
         cmd += ["--num-prompts", "2" if smoke else "4", "--concurrency", "1"]
+        if not smoke:  # one sequence's buckets only: a few executables to compile, not ~27
+            cmd += ["--max-num-seqs", "1", "--max-num-batched-tokens", "128"]
     else:
         cmd += ["--num-prompts", str(batch)]
     if smoke:
@@ -270,6 +277,18 @@ def markdown(report: dict) -> str:
                          f"{f('hbm_fraction', fmt='{:.2f}')} | "
                          f"{f('matmul_flops_per_s', 1e-12, '{:.1f}')} | "
                          f"{f('copy_bytes_per_s', 1e-9, '{:.0f}')} | {f('warmup_s')} |")
+    quant = report.get("quant_summary")
+    if quant:
+        lines += ["", f"ops.bench_quantization: [{quant['shape'][0]} -> {quant['shape'][1]}] x "
+                  f"{quant['layers']} layers, {quant['dtype']}; copy "
+                  f"{quant['copy_bytes_per_s'] / 1e9:.0f} GB/s, matmul "
+                  f"{quant['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s", "",
+                  "| format | rows | ms / layer | weight MiB | copy fraction | matmul fraction | "
+                  "rel err | materialized |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['format']} | {r['rows']} | {r['seconds'] * 1e3:.4f} | "
+                  f"{r['weight_bytes'] / 2**20:.1f} | {r['copy_fraction']:.2f} | "
+                  f"{r['matmul_fraction']:.3f} | {r['rel_err']:.1e} | {r['materialized']} |"
+                  for r in quant["rows"]]
     attn = report.get("attention_summary")
     if attn:
         lines += ["", "ops.bench_attention (see attention_bench.log for every row):", "",
@@ -303,45 +322,65 @@ def main(argv=None) -> int:
     steps = report["steps"]
     py = sys.executable
 
+    # Most wanted first (the deadline skips what is left): the engine on the 8B shape at
+    # batch 1, bfloat16 and int8; how quantized matmuls run here; batch 64; the kernel tests;
+    # the server; the attention bench; the default model's shape.
+    dtype = "float32" if smoke else "bfloat16"
+    big = "tiny" if smoke else "llama-3-8b"
+    label = big.replace("-", "_").replace(".", "_")
+    if f"engine_{label}_b1" not in skip:
+        steps.append(engine_bench(f"engine_{label}_b1", big, dtype, 1, out, 240 if smoke else 100,
+                                  smoke))
+    if f"engine_{label}_b1_int8" not in skip:
+        steps.append(engine_bench(f"engine_{label}_b1_int8", big, dtype, 1, out,
+                                  240 if smoke else 90, smoke, "int8"))
+
+    if "quant_bench" not in skip:
+        cmd = [py, "-m", "ops.bench_quantization", "--output", str(out / "quant_bench.json")]
+        steps.append(_run("quant_bench", cmd + (["--smoke"] if smoke else []), out,
+                          120 if smoke else 60))
+        path = out / "quant_bench.json"
+        if path.exists():
+            report["quant_summary"] = json.loads(path.read_text())
+
+    if f"engine_{label}_b{8 if smoke else 64}" not in skip:
+        steps.append(engine_bench(f"engine_{label}_b{8 if smoke else 64}", big, dtype,
+                                  8 if smoke else 64, out, 240 if smoke else 120, smoke))
+
     if "kernel_tests" not in skip:
-        cmd = [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+        # The KV dtypes first (int8 and fp8 pages have not run on a GPU before), then the
+        # kernel's own tests; each case compiles its own Triton kernel (~3 s).
+        cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               "tests/test_kv_cache_dtype.py::test_attention_reads_pages_in_their_dtype",
+               "tests/test_kv_cache_dtype.py::"
+               "test_int8_pages_round_trip_through_writes_with_their_scales",
                "tests/test_pallas_gpu_attention.py"]
-        env = {"JAX_DEFAULT_MATMUL_PRECISION": "highest"}
+        env = {"JAX_DEFAULT_MATMUL_PRECISION": "highest", "XLASERVE_NATIVE_KERNELS": "0"}
         if smoke:
-            cmd += ["-k", "soft_cap_and_window or bad_inputs or lowers_to_triton"]
+            cmd += ["-k", "soft_cap_and_window or bad_inputs or lowers_to_triton or pages"]
         else:
             env["JAX_PLATFORMS"] = "cuda"
-        steps.append(_run("kernel_tests", cmd, out, 300 if smoke else 150, env))
+        steps.append(_run("kernel_tests", cmd, out, 300 if smoke else 90, env))
+
+    if "server" not in skip:
+        steps.append(server_smoke(out, "tiny" if smoke else "smollm2-135m",
+                                  240 if smoke else 60, smoke))
 
     if "attention_bench" not in skip:
         cmd = [py, "-m", "ops.bench_attention", "--output", str(out / "attention_bench.json")]
         cmd += (["--smoke", "--impls", "pallas-gpu,bundled-gpu,reference"] if smoke else
-                ["--batches", "1,16,64,256", "--contexts", "512,2048,8192", "--repeats", "10"])
-        steps.append(_run("attention_bench", cmd, out, 300 if smoke else 110))
+                ["--batches", "1,64,256", "--contexts", "2048,8192", "--repeats", "10"])
+        steps.append(_run("attention_bench", cmd, out, 300 if smoke else 70))
         path = out / "attention_bench.json"
         if path.exists():
             rows = json.loads(path.read_text()).get("rows", [])
             report["attention_summary"] = [r for r in rows if r.get("seconds")]
 
-    dtype = "float32" if smoke else "bfloat16"
-    # Batch 1 runs first and compiles the table; batch 64 (the same engine limits) loads it
-    # from the executable store. Under --smoke one tiny shape stands in for both.
-    presets = {"tiny": (240, 240)} if smoke else {"llama-3-8b": (150, 100),
-                                                  "smollm2-135m": (60, 60)}
-    for preset, limits in presets.items():
-        label = preset.replace("-", "_").replace(".", "_")
-        for batch, limit in zip((1, 8 if smoke else 64), limits, strict=True):
-            name = f"engine_{label}_b{batch}"
-            if name in skip or f"engine_{label}" in skip:
-                continue
-            steps.append(engine_bench(name, preset, dtype, batch, out, limit, smoke))
-            if batch == 1 and preset in ("tiny", "llama-3-8b") and f"{name}_int8" not in skip:
-                steps.append(engine_bench(f"{name}_int8", preset, dtype, 1, out,
-                                          limit if smoke else 120, smoke, "int8"))
-
-    if "server" not in skip:
-        steps.append(server_smoke(out, "tiny" if smoke else "smollm2-135m",
-                                  240 if smoke else 90, smoke))
+    if not smoke:
+        for batch, limit in ((1, 60), (64, 60)):
+            if f"engine_smollm2_135m_b{batch}" not in skip:
+                steps.append(engine_bench(f"engine_smollm2_135m_b{batch}", "smollm2-135m",
+                                          dtype, batch, out, limit, smoke))
 
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "gpu_check.md").write_text(markdown(report))

@@ -8,10 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 version() { python3 -c "import importlib.metadata as m; print(m.version('$1'))"; }
 wheels=()
-for name in gguf starlette uvicorn pydantic pydantic-core annotated-types typing-inspection; do
+for name in gguf starlette uvicorn pydantic pydantic-core annotated-types typing-inspection typing-extensions llguidance; do
   wheels+=("$name==$(version "$name")")
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "${wheels[@]}"
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d .whl "${wheels[@]}"
 ls .whl

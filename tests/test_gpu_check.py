@@ -20,8 +20,8 @@ def test_gpu_check_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     names = [s["name"] for s in report["steps"]]
-    assert names == ["kernel_tests", "attention_bench", "engine_tiny_b1", "engine_tiny_b1_int8",
-                     "engine_tiny_b8", "server"]
+    assert names == ["engine_tiny_b1", "engine_tiny_b1_int8", "quant_bench", "engine_tiny_b8",
+                     "kernel_tests", "server", "attention_bench"]
     assert all(s["ok"] for s in report["steps"])
     on_cpu = "cpu" if native.available() else "reference"  # our kernel where it was built
     assert report["environment"]["auto_attention_backend"] == on_cpu
@@ -32,6 +32,10 @@ def test_gpu_check_smoke(tmp_path):
     assert 0 < int8["floor_tpot_ms"] < b1["floor_tpot_ms"]  # a byte a weight, not float32's 4
     assert report["attention_summary"] and all(r["rel_err"] < 1e-2
                                                 for r in report["attention_summary"])
-    server = report["steps"][-1]
+    quant = report["quant_summary"]["rows"]
+    assert {r["format"] for r in quant} == {"float", "int8", "int4"}
+    assert all(r["rel_err"] < 1e-4 and r["seconds"] > 0 for r in quant)
+    assert "| int4 | 4 |" in (tmp_path / "gpu_check.md").read_text()
+    server = next(s for s in report["steps"] if s["name"] == "server")
     assert server["completion_tokens"] == 8 and server["stream_chunks"] >= 8
     assert "| engine_tiny_b8 |" in (tmp_path / "gpu_check.md").read_text()

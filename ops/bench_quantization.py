@@ -1,0 +1,150 @@
+"""Quantized matmul benchmark: `python -m ops.bench_quantization`.
+
+Times `ops.quantization.linear` as the model runs it off the CPU kernel (a loop over stacked
+layers, each layer's matrix sliced and multiplied), for the compute dtype's float weights,
+int8 per output channel and int4 in groups of 32 with minimums (Q4_1's format), at several
+row counts, on random weights of one matrix shape (default: Llama-3-8B's MLP gate/up
+projection, 4096 -> 14336). Each row gives the time per layer (median of `--repeats`), the
+weight bytes a layer reads over that time as a fraction of the copy bandwidth measured in
+the same run, the matmul rate against the same run's matmul ceiling, the error against the
+float product of the dequantized weight, and whether XLA's optimized program holds a whole
+dequantized (or copied) matrix: `materialized` means the conversion was not fused into the
+dot, so the weight's bytes are read, written and read again (views: parameters and bitcasts
+are not counted).
+
+The question it answers (issue 14): does XLA fuse the dequantization into the dot on this
+device, and at which row counts does a quantized weight still pay? `--smoke` runs tiny
+shapes (CI); its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from ops.bench_attention import measure_ceilings, rel_err, time_median
+from ops.quantization import QuantFormat, dequantize, linear, quantize
+
+FORMATS = {"float": None, "int8": QuantFormat(8, 0), "int4": QuantFormat(4, 32, has_min=True)}
+ROTATE_BYTES = 512 << 20  # the float layers together exceed any cache (H200 L2: 60 MB)
+
+
+def weight_bytes(w) -> int:
+    """Bytes of one stack of weights as the device holds them (4-bit values: half a byte)."""
+    leaves = w.values() if isinstance(w, dict) else [w]
+    return sum(a.size * (4 if a.dtype in (jnp.int4, jnp.uint4) else 8 * a.dtype.itemsize)
+               for a in leaves) // 8
+
+
+def make_weights(fmt: QuantFormat | None, layers: int, out_f: int, in_f: int, dtype, seed: int):
+    """Random [L, O, I] weights made on the device, quantized there (as `random_model`)."""
+    def init(key):
+        w = jax.random.normal(key, (layers, out_f, in_f), jnp.float32) * 0.02
+        if fmt is None:
+            return w.astype(dtype)
+        parts = quantize(w, fmt, xp=jnp)
+        return parts | {"q": parts["q"].astype(fmt.storage_dtype())}
+    return jax.jit(init)(jax.random.key(seed))
+
+
+def layer_loop(x: jax.Array, w) -> jax.Array:
+    """Sum over layers of x @ w[l]^T, each layer's matrix sliced as models/llama.layer_params
+    slices it where XLA runs the matmuls."""
+    layers = (w["q"] if isinstance(w, dict) else w).shape[0]
+
+    def body(acc, idx):
+        wl = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, False), w)
+        return acc + linear(x, wl).astype(jnp.float32), None
+
+    acc = jnp.zeros((x.shape[0], (w["q"] if isinstance(w, dict) else w).shape[1]), jnp.float32)
+    return jax.lax.scan(body, acc, jnp.arange(layers, dtype=jnp.int32))[0]
+
+
+def materialized(hlo: str, out_f: int, in_f: int) -> int:
+    """Instructions of the optimized program, parameters aside, whose result is a whole
+    float [O, I] (or [1, O, I]) matrix: a dequantized or copied weight."""
+    shape = re.compile(rf"= (?:bf16|f16|f32)\[(?:1,)?{out_f},{in_f}\]\S* (\S+?)\(")
+    views = ("parameter", "bitcast", "get-tuple-element", "tuple")  # no bytes written
+    return sum(1 for line in hlo.splitlines()
+               if (m := shape.search(line)) and m.group(1) not in views)
+
+
+def run(name, rows, args, dtype, ceilings) -> dict:
+    fmt = FORMATS[name]
+    w = make_weights(fmt, args.layers, args.out_features, args.in_features, dtype, args.seed)
+    x = jax.random.normal(jax.random.key(args.seed + 1), (rows, args.in_features), dtype)
+    fn = jax.jit(layer_loop)
+    out = fn(x, w)
+    dense = w if fmt is None else dequantize(w["q"], w["scale"], w.get("min"), dtype=jnp.float32)
+    want = jnp.einsum("ti,loi->to", x.astype(jnp.float32), dense.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+    err = rel_err(out, want)
+    seconds = time_median([lambda: fn(x, w)], args.repeats) / args.layers
+    nbytes = weight_bytes(w) / args.layers
+    flops = 2 * rows * args.in_features * args.out_features
+    hlo = fn.lower(x, w).compile().as_text()
+    row = {"format": name, "rows": rows, "seconds": seconds, "weight_bytes": nbytes,
+           "copy_fraction": nbytes / seconds / ceilings["copy_bytes_per_s"],
+           "matmul_fraction": flops / seconds / ceilings["matmul_flops_per_s"],
+           "rel_err": err, "materialized": materialized(hlo, args.out_features,
+                                                        args.in_features)}
+    print(f"{name:>5} rows={rows:<4} {seconds * 1e3:8.4f} ms/layer  "
+          f"{nbytes / 2**20:7.1f} MiB  copy {row['copy_fraction']:5.2f}  "
+          f"matmul {row['matmul_fraction']:5.3f}  err {err:.1e}  "
+          f"materialized {row['materialized']}", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--in-features", type=int, default=4096)
+    ap.add_argument("--out-features", type=int, default=14336)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="stacked layers (default: enough that the float ones exceed 512 MiB)")
+    ap.add_argument("--rows", default="1,16,64,256")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on "
+                                                  "accelerators, float32 on CPU)")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CI)")
+    ap.add_argument("--output", help="write the rows and ceilings as JSON")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.in_features, args.out_features, args.layers, args.repeats = 64, 96, 2, 2
+        args.rows = "1,4"
+    dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
+    if args.layers is None:
+        layer = args.in_features * args.out_features * dtype.itemsize
+        args.layers = max(2, math.ceil(ROTATE_BYTES / layer))
+    ceilings = measure_ceilings(1 << 20 if args.smoke else 1 << 30, 256 if args.smoke else 8192,
+                                dtype, 3 if args.smoke else 10)
+    dev = jax.devices()[0]
+    print(f"{dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, {dtype}, "
+          f"[{args.in_features} -> {args.out_features}] x {args.layers} layers; copy "
+          f"{ceilings['copy_bytes_per_s'] / 1e9:.0f} GB/s, matmul "
+          f"{ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s", flush=True)
+    rows = [run(name, r, args, dtype, ceilings)
+            for r in map(int, args.rows.split(",")) for name in args.formats.split(",")]
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"device": dev.device_kind, "platform": jax.default_backend(),
+                       "host": platform.node(), "jax": jax.__version__, "dtype": str(dtype),
+                       "shape": [args.in_features, args.out_features], "layers": args.layers,
+                       **ceilings, "rows": rows}, f, indent=1)
+    # A wrong product fails the run: bfloat16 inputs round at ~4e-3; float32 sums far below.
+    bad = [r for r in rows if not r["rel_err"] < (2e-2 if dtype.itemsize == 2 else 1e-4)]
+    for r in bad:
+        print(f"WRONG: {r['format']} rows={r['rows']} rel err {r['rel_err']:.1e}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
