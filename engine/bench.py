@@ -91,7 +91,11 @@ def dense_seconds(runner: ModelRunner, num_tokens: int = 1, repeats: int = 30) -
             gate, up = model.projects(x, p, ("w_gate", "w_up"))
             return x + model.project(jax.nn.silu(gate) * up, p, "w_down"), None
 
-        x, _ = jax.lax.scan(layer, x, jnp.arange(cfg.num_layers, dtype=jnp.int32))
+        if model.unroll_layers:  # as the model runs its layers on a GPU
+            for idx in range(cfg.num_layers):
+                x, _ = layer(x, idx)
+        else:
+            x, _ = jax.lax.scan(layer, x, jnp.arange(cfg.num_layers, dtype=jnp.int32))
         return model.linear(x, head, jnp.float32)  # as the model runs its head
 
     x = jnp.ones((num_tokens, cfg.hidden_size), runner.dtype) * 0.01

@@ -25,6 +25,7 @@ import math
 import platform
 import re
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,9 @@ import jax.numpy as jnp
 from ops.bench_attention import measure_ceilings, rel_err, time_median
 from ops.quantization import QuantFormat, dequantize, linear, quantize
 
-FORMATS = {"float": None, "int8": QuantFormat(8, 0), "int4": QuantFormat(4, 32, has_min=True)}
+FORMATS = {"float": None, "int8": QuantFormat(8, 0), "int4": QuantFormat(4, 32, has_min=True),
+           "int8-reduce": QuantFormat(8, 0)}  # the last: `reduce_linear`, a candidate
+LAYOUTS = ("stacked", "unrolled", "separate")
 ROTATE_BYTES = 512 << 20  # the float layers together exceed any cache (H200 L2: 60 MB)
 
 
@@ -54,17 +57,32 @@ def make_weights(fmt: QuantFormat | None, layers: int, out_f: int, in_f: int, dt
     return jax.jit(init)(jax.random.key(seed))
 
 
-def layer_loop(x: jax.Array, w) -> jax.Array:
-    """Sum over layers of x @ w[l]^T, each layer's matrix sliced as models/llama.layer_params
-    slices it where XLA runs the matmuls."""
-    layers = (w["q"] if isinstance(w, dict) else w).shape[0]
+def reduce_linear(x: jax.Array, w: dict) -> jax.Array:
+    """Per-channel int8 as `linear` runs one row on a GPU, at any row count: an elementwise
+    multiply and a sum over the inputs (a reduction XLA fuses with the conversion), not a
+    dot."""
+    prod = x.astype(jnp.float32)[:, None, :] * w["q"].astype(jnp.float32)[None]
+    return (prod.sum(-1) * w["scale"][:, 0].astype(jnp.float32)).astype(x.dtype)
+
+
+def layer_loop(x: jax.Array, w, layout: str = "stacked", product=linear) -> jax.Array:
+    """Sum over layers of x @ w[l]^T. `layout`: "stacked" slices each layer's matrix out of
+    the [L, O, I] stack inside a scan, as models/llama.layer_params does where XLA runs the
+    matmuls; "unrolled" slices it statically in an unrolled loop; "separate" takes a list of
+    per-layer arrays (no slicing: the floor for the other two)."""
+    if layout == "separate":
+        return sum(product(x, wl).astype(jnp.float32) for wl in w)
+    stack = w["q"] if isinstance(w, dict) else w
+    if layout == "unrolled":
+        return sum(product(x, jax.tree.map(lambda a, i=i: a[i], w)).astype(jnp.float32)
+                   for i in range(stack.shape[0]))
 
     def body(acc, idx):
         wl = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, False), w)
-        return acc + linear(x, wl).astype(jnp.float32), None
+        return acc + product(x, wl).astype(jnp.float32), None
 
-    acc = jnp.zeros((x.shape[0], (w["q"] if isinstance(w, dict) else w).shape[1]), jnp.float32)
-    return jax.lax.scan(body, acc, jnp.arange(layers, dtype=jnp.int32))[0]
+    acc = jnp.zeros((x.shape[0], stack.shape[1]), jnp.float32)
+    return jax.lax.scan(body, acc, jnp.arange(stack.shape[0], dtype=jnp.int32))[0]
 
 
 def materialized(hlo: str, out_f: int, in_f: int) -> int:
@@ -76,26 +94,34 @@ def materialized(hlo: str, out_f: int, in_f: int) -> int:
                if (m := shape.search(line)) and m.group(1) not in views)
 
 
-def run(name, rows, args, dtype, ceilings) -> dict:
+def run(name, rows, layout, args, dtype, ceilings) -> dict:
     fmt = FORMATS[name]
     w = make_weights(fmt, args.layers, args.out_features, args.in_features, dtype, args.seed)
     x = jax.random.normal(jax.random.key(args.seed + 1), (rows, args.in_features), dtype)
-    fn = jax.jit(layer_loop)
-    out = fn(x, w)
+    product = reduce_linear if name == "int8-reduce" else linear
+    fn = jax.jit(lambda x, w: layer_loop(x, w, layout, product))
+    arg = ([jax.tree.map(lambda a, i=i: a[i], w) for i in range(args.layers)]
+           if layout == "separate" else w)
+    out = fn(x, arg)
     dense = w if fmt is None else dequantize(w["q"], w["scale"], w.get("min"), dtype=jnp.float32)
     want = jnp.einsum("ti,loi->to", x.astype(jnp.float32), dense.astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
     err = rel_err(out, want)
-    seconds = time_median([lambda: fn(x, w)], args.repeats) / args.layers
+    del dense, want
+    seconds = time_median([lambda: fn(x, arg)], args.repeats) / args.layers
     nbytes = weight_bytes(w) / args.layers
     flops = 2 * rows * args.in_features * args.out_features
-    hlo = fn.lower(x, w).compile().as_text()
-    row = {"format": name, "rows": rows, "seconds": seconds, "weight_bytes": nbytes,
+    hlo = fn.lower(x, arg).compile().as_text()
+    if args.hlo_dir:
+        Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.hlo_dir) / f"{name}-{layout}-{rows}.txt").write_text(hlo)
+    row = {"format": name, "rows": rows, "layout": layout, "seconds": seconds,
+           "weight_bytes": nbytes,
            "copy_fraction": nbytes / seconds / ceilings["copy_bytes_per_s"],
            "matmul_fraction": flops / seconds / ceilings["matmul_flops_per_s"],
            "rel_err": err, "materialized": materialized(hlo, args.out_features,
                                                         args.in_features)}
-    print(f"{name:>5} rows={rows:<4} {seconds * 1e3:8.4f} ms/layer  "
+    print(f"{name:>11} {layout:>8} rows={rows:<4} {seconds * 1e3:8.4f} ms/layer  "
           f"{nbytes / 2**20:7.1f} MiB  copy {row['copy_fraction']:5.2f}  "
           f"matmul {row['matmul_fraction']:5.3f}  err {err:.1e}  "
           f"materialized {row['materialized']}", flush=True)
@@ -109,7 +135,10 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help="stacked layers (default: enough that the float ones exceed 512 MiB)")
     ap.add_argument("--rows", default="1,16,64,256")
-    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--formats", default="float,int8,int4")
+    ap.add_argument("--layouts", default="stacked", help=f"some of {', '.join(LAYOUTS)} "
+                    "(layer_loop)")
+    ap.add_argument("--hlo-dir", help="write each case's optimized HLO here")
     ap.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on "
                                                   "accelerators, float32 on CPU)")
     ap.add_argument("--repeats", type=int, default=20)
@@ -131,8 +160,9 @@ def main(argv=None) -> int:
           f"[{args.in_features} -> {args.out_features}] x {args.layers} layers; copy "
           f"{ceilings['copy_bytes_per_s'] / 1e9:.0f} GB/s, matmul "
           f"{ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s", flush=True)
-    rows = [run(name, r, args, dtype, ceilings)
-            for r in map(int, args.rows.split(",")) for name in args.formats.split(",")]
+    rows = [run(name, r, layout, args, dtype, ceilings)
+            for r in map(int, args.rows.split(",")) for layout in args.layouts.split(",")
+            for name in args.formats.split(",")]
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"device": dev.device_kind, "platform": jax.default_backend(),

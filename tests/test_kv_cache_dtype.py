@@ -85,11 +85,16 @@ def test_tpu_kernel_refuses_float16_pages():
         KERNELS["pallas-tpu"](case.q, low, LAYER, case.md, sm_scale=0.125)
 
 
-def test_int8_pages_round_trip_through_writes_with_their_scales():
+@pytest.mark.parametrize("kernel", [
+    "reference", "pallas-gpu", "pallas-tpu",
+    pytest.param("cpu", marks=pytest.mark.skipif(not native.available(),
+                                                 reason="CPU kernels unavailable"))])
+def test_int8_pages_round_trip_through_writes_with_their_scales(kernel):
     """int8 pages hold each written token's K/V to within half a step of its own scale (max |x|
-    / 127 per token and KV head), and the reference attention over them equals attention over
-    the dequantized values in float32 pages, as do the CPU kernel and the Pallas GPU and TPU
-    kernels (interpreted; 32-token pages, the TPU kernel's least for 8-bit pages)."""
+    / 127 per token and KV head), and attention over them (the reference, the CPU kernel and
+    the Pallas GPU and TPU kernels; interpreted off their device; 32-token pages, the TPU
+    kernel's least for 8-bit pages) equals attention over the dequantized values in float32
+    pages."""
     case = make_case("mixed", num_kv_heads=2, group=2, head_dim=64, page_size=32)
     shape = case.cache.k.shape
     cache = KVCache.zeros(*shape, jnp.int8)
@@ -106,11 +111,10 @@ def test_int8_pages_round_trip_through_writes_with_their_scales():
         (cache.k, cache.k_scale), (cache.v, cache.v_scale))))
     wrote = KVCache(case.cache.k.at[LAYER, page, offset].set(k),
                     case.cache.v.at[LAYER, page, offset].set(v))
-    for kernel in ("reference", "pallas-gpu", "pallas-tpu") + ("cpu",) * native.available():
-        out = KERNELS[kernel](case.q, cache, LAYER, case.md, sm_scale=0.125)
-        assert rel_err(out, oracle(case.q, dequantized, LAYER, case.md, sm_scale=0.125)) < 1e-5
-        assert rel_err(out, oracle(case.q, wrote, LAYER, case.md, sm_scale=0.125)) < 2e-2
-        np.testing.assert_array_equal(np.asarray(out)[case.num_real_rows:], 0.0)
+    out = KERNELS[kernel](case.q, cache, LAYER, case.md, sm_scale=0.125)
+    assert rel_err(out, oracle(case.q, dequantized, LAYER, case.md, sm_scale=0.125)) < 1e-5
+    assert rel_err(out, oracle(case.q, wrote, LAYER, case.md, sm_scale=0.125)) < 2e-2
+    np.testing.assert_array_equal(np.asarray(out)[case.num_real_rows:], 0.0)
     with pytest.raises(ValueError, match="need scales"):
         ref_ragged_paged_attention(case.q, KVCache(cache.k, cache.v), LAYER, case.md,
                                    sm_scale=0.125)

@@ -88,6 +88,21 @@ def test_quantized_matmul_matches_float(name, rows, blocks, monkeypatch):
     assert lo <= parts["q"].min() and parts["q"].max() <= hi
 
 
+def test_one_row_of_per_channel_int8_as_a_gpu_runs_it(monkeypatch):
+    """On a GPU one row of per-channel int8 is a multiply and a sum, no dot: the same product."""
+    monkeypatch.setattr(quantization, "reduces_one_row", lambda: True)
+    w = _weight(40, 128)
+    parts = quantize(w, QuantFormat(8, 0))
+    x = np.random.default_rng(2).standard_normal((1, 128)).astype(np.float32)
+    assert "dot_general" not in str(jax.make_jaxpr(linear)(x, parts))
+    exact = x @ dequantize(parts["q"], parts["scale"], xp=np).T
+    for out_dtype in (None, jnp.bfloat16):
+        got = jax.jit(lambda x, w, d=out_dtype: linear(x, w, d))(x, parts)
+        assert got.shape == (1, 40) and got.dtype == (out_dtype or jnp.float32)
+        np.testing.assert_allclose(np.asarray(got, np.float32), exact, rtol=1e-2 if out_dtype
+                                   else 1e-5, atol=1e-4 if out_dtype is None else 2e-2)
+
+
 def test_asymmetric_blocks_matmul():
     w = _weight(16, 64)
     raw = gguf.quants.quantize(w, T.Q4_1).reshape(-1)
