@@ -29,6 +29,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import platform
 import random
 import statistics
@@ -360,6 +361,9 @@ def main(argv=None) -> int:
                    "the schema's text): the cost of structured output")
     p.add_argument("--output", help="write the results as JSON")
     args = p.parse_args(argv)
+    # The runner's progress (compiling, loaded from the store, memory): a run cut off by a
+    # time limit still says how far it got.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.max_model_len is None:
         args.max_model_len = max(defaults.max_model_len,
                                  -(-(args.input_len + args.output_len) // 16) * 16)

@@ -6,9 +6,9 @@ the module, the abstract shapes used by the loaders and the weight-name maps all
 derive from that table. Layers are stacked on a leading axis and run under
 `lax.scan`, so compile time does not grow with depth; layers of different kinds
 (Gemma 3's sliding and full ones) are scanned a period of kinds at a time. The forward
-pass is one ragged batch of tokens over the paged KV cache (see ops/attention.py). On a GPU
-the layers are unrolled instead (`unroll_layers`: XLA:GPU copies a weight sliced at a loop
-index before its product).
+pass is one ragged batch of tokens over the paged KV cache (see ops/attention.py).
+`XLASERVE_UNROLL_LAYERS=1` unrolls the layers instead (`unroll_layers`: XLA:GPU copies a
+weight sliced at a loop index before its product).
 
 A family differs from Llama by overriding the class methods that describe its
 parameters and tensor names, and the steps of `layer` (`qk_norm`, `mlp`, or `layer`
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -208,11 +209,14 @@ class Llama(nnx.Module):
         # Quantized weight-only matmuls of a few float32 rows run in xlaserve's CPU kernel
         # (ops/native) on one CPU device; elsewhere XLA's dot.
         self.native_matmuls = runs_native(dtype, quant or {}, sharded=mesh is not None)
-        # On a GPU the layers run unrolled, each one's weights sliced at a constant index:
-        # XLA:GPU copies a weight sliced at a loop index before its cuBLAS product (3x the
-        # bytes; an H200 ran a 4096 x 14336 bfloat16 layer in 0.14 ms scanned, 0.047
-        # unrolled), and reads a constant slice in place. Compile time grows with depth there.
-        self.unroll_layers = jax.default_backend() == "gpu" and not self.native_matmuls
+        # XLASERVE_UNROLL_LAYERS=1 runs the layers unrolled, each one's weights sliced at a
+        # constant index. XLA:GPU copies a weight sliced at a loop index before its cuBLAS
+        # product (3x the bytes: an H200 ran a 4096 x 14336 bfloat16 layer in 0.14 ms
+        # scanned, 0.047 unrolled) and reads a constant slice in place; but compile time grows
+        # with depth, and Llama-3-8B's engine bench did not finish its warmup in 65 s there
+        # (12 s scanned). Off until measured whole (docs/performance.md).
+        self.unroll_layers = (os.environ.get("XLASERVE_UNROLL_LAYERS", "0") == "1"
+                              and not self.native_matmuls)
         params = {name: nnx.Param(_init(spec, rngs.params(), dtype))
                   for name, spec in self.param_specs(cfg, quant).items()}
         self.top_names = tuple(n for n in params if not n.startswith("layers."))

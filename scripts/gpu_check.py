@@ -359,7 +359,7 @@ def main(argv=None) -> int:
         if smoke:
             cmd += ["-k", "soft_cap_and_window or bad_inputs or lowers_to_triton or pages"]
         else:
-            env["JAX_PLATFORMS"] = "cuda"
+            env["JAX_PLATFORMS"] = "cuda,cpu"  # the TPU kernel's interpreter needs the CPU
         steps.append(_run("kernel_tests", cmd, out, 300 if smoke else 90, env))
 
     if "server" not in skip:

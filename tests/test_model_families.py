@@ -107,16 +107,17 @@ def test_pallas_kernels_match_the_reference(tiny, backend):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
-def test_unrolled_layers_equal_the_scan(tiny):
-    """The layers as a GPU runs them (unrolled, weights sliced at constant indices) give the
-    scanned layers' logits: Gemma 3's kinds a period at a time and Qwen3's one kind."""
+def test_unrolled_layers_equal_the_scan(tiny, monkeypatch):
+    """XLASERVE_UNROLL_LAYERS=1 (unrolled layers, weights sliced at constant indices) gives
+    the scanned layers' logits: Gemma 3's kinds a period at a time and Qwen3's one kind."""
     family, path, _ = tiny
     ids = PROMPTS[2]
     scanned = load_model(path, dtype="float32")
-    assert not scanned.unroll_layers  # on CPU
+    assert not scanned.unroll_layers  # the default
     want = GreedyDecoder(scanned, max_len=64, page_size=8).prompt_logits(ids)
+    monkeypatch.setenv("XLASERVE_UNROLL_LAYERS", "1")
     unrolled = load_model(path, dtype="float32")
-    unrolled.unroll_layers = True
+    assert unrolled.unroll_layers
     got = GreedyDecoder(unrolled, max_len=64, page_size=8).prompt_logits(ids)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
