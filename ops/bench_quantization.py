@@ -35,7 +35,7 @@ from ops.quantization import QuantFormat, dequantize, linear, quantize
 
 FORMATS = {"float": None, "int8": QuantFormat(8, 0), "int4": QuantFormat(4, 32, has_min=True),
            "int8-reduce": QuantFormat(8, 0)}  # the last: `reduce_linear`, a candidate
-LAYOUTS = ("stacked", "unrolled", "separate")
+LAYOUTS = ("stacked", "counted", "unrolled", "separate")
 ROTATE_BYTES = 512 << 20  # the float layers together exceed any cache (H200 L2: 60 MB)
 
 
@@ -68,8 +68,10 @@ def reduce_linear(x: jax.Array, w: dict) -> jax.Array:
 def layer_loop(x: jax.Array, w, layout: str = "stacked", product=linear) -> jax.Array:
     """Sum over layers of x @ w[l]^T. `layout`: "stacked" slices each layer's matrix out of
     the [L, O, I] stack inside a scan, as models/llama.layer_params does where XLA runs the
-    matmuls; "unrolled" slices it statically in an unrolled loop; "separate" takes a list of
-    per-layer arrays (no slicing: the floor for the other two)."""
+    matmuls, at an index read from the scanned array of layer numbers; "counted" slices it
+    at the loop's own counter (`fori_loop`), an offset XLA can see as the induction
+    variable; "unrolled" slices it statically in an unrolled loop; "separate" takes a list
+    of per-layer arrays (no slicing: the floor for the others)."""
     if layout == "separate":
         return sum(product(x, wl).astype(jnp.float32) for wl in w)
     stack = w["q"] if isinstance(w, dict) else w
@@ -77,12 +79,15 @@ def layer_loop(x: jax.Array, w, layout: str = "stacked", product=linear) -> jax.
         return sum(product(x, jax.tree.map(lambda a, i=i: a[i], w)).astype(jnp.float32)
                    for i in range(stack.shape[0]))
 
-    def body(acc, idx):
+    def body(idx, acc):
         wl = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, False), w)
-        return acc + product(x, wl).astype(jnp.float32), None
+        return acc + product(x, wl).astype(jnp.float32)
 
     acc = jnp.zeros((x.shape[0], stack.shape[1]), jnp.float32)
-    return jax.lax.scan(body, acc, jnp.arange(stack.shape[0], dtype=jnp.int32))[0]
+    if layout == "counted":
+        return jax.lax.fori_loop(0, stack.shape[0], body, acc)
+    return jax.lax.scan(lambda acc, idx: (body(idx, acc), None), acc,
+                        jnp.arange(stack.shape[0], dtype=jnp.int32))[0]
 
 
 def materialized(hlo: str, out_f: int, in_f: int) -> int:

@@ -283,9 +283,10 @@ def markdown(report: dict) -> str:
                   f"{quant['layers']} layers, {quant['dtype']}; copy "
                   f"{quant['copy_bytes_per_s'] / 1e9:.0f} GB/s, matmul "
                   f"{quant['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s", "",
-                  "| format | rows | ms / layer | weight MiB | copy fraction | matmul fraction | "
-                  "rel err | materialized |", "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['format']} | {r['rows']} | {r['seconds'] * 1e3:.4f} | "
+                  "| format | layout | rows | ms / layer | weight MiB | copy fraction | "
+                  "matmul fraction | rel err | materialized |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['format']} | {r['layout']} | {r['rows']} | {r['seconds'] * 1e3:.4f} | "
                   f"{r['weight_bytes'] / 2**20:.1f} | {r['copy_fraction']:.2f} | "
                   f"{r['matmul_fraction']:.3f} | {r['rel_err']:.1e} | {r['materialized']} |"
                   for r in quant["rows"]]
@@ -336,7 +337,9 @@ def main(argv=None) -> int:
                                   240 if smoke else 90, smoke, "int8"))
 
     if "quant_bench" not in skip:
-        cmd = [py, "-m", "ops.bench_quantization", "--output", str(out / "quant_bench.json")]
+        # The layer loops beside the model's (scanned: XLA:GPU copied each layer's slice).
+        cmd = [py, "-m", "ops.bench_quantization", "--output", str(out / "quant_bench.json"),
+               "--layouts", "stacked,counted,unrolled", "--rows", "1,64"]
         steps.append(_run("quant_bench", cmd + (["--smoke"] if smoke else []), out,
                           120 if smoke else 60))
         path = out / "quant_bench.json"
