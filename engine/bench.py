@@ -92,7 +92,7 @@ def dense_seconds(runner: ModelRunner, num_tokens: int = 1, repeats: int = 30) -
             gate, up = model.projects(x, p, ("w_gate", "w_up"))
             return x + model.project(jax.nn.silu(gate) * up, p, "w_down"), None
 
-        if model.unroll_layers:  # as the model runs its layers on a GPU
+        if model.unroll_layers:  # as the model runs them (XLASERVE_UNROLL_LAYERS=1)
             for idx in range(cfg.num_layers):
                 x, _ = layer(x, idx)
         else:
