@@ -341,7 +341,7 @@ def main(argv=None) -> int:
         cmd = [py, "-m", "ops.bench_quantization", "--output", str(out / "quant_bench.json"),
                "--layouts", "stacked,counted,unrolled", "--rows", "1,64"]
         steps.append(_run("quant_bench", cmd + (["--smoke"] if smoke else []), out,
-                          120 if smoke else 60))
+                          120 if smoke else 90))
         path = out / "quant_bench.json"
         if path.exists():
             report["quant_summary"] = json.loads(path.read_text())
