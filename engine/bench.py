@@ -90,13 +90,9 @@ def dense_seconds(runner: ModelRunner, num_tokens: int = 1, repeats: int = 30) -
             q, k, v = model.projects(x, p, ("wq", "wk", "wv"))
             x = x + model.project(q, p, "wo") + k.mean() + v.mean()
             gate, up = model.projects(x, p, ("w_gate", "w_up"))
-            return x + model.project(jax.nn.silu(gate) * up, p, "w_down"), None
+            return x + model.project(jax.nn.silu(gate) * up, p, "w_down")
 
-        if model.unroll_layers:  # as the model runs them (XLASERVE_UNROLL_LAYERS=1)
-            for idx in range(cfg.num_layers):
-                x, _ = layer(x, idx)
-        else:
-            x, _ = jax.lax.scan(layer, x, jnp.arange(cfg.num_layers, dtype=jnp.int32))
+        x = model.over_layers(layer, x)  # scanned or unrolled, as the model runs them
         return model.linear(x, head, jnp.float32)  # as the model runs its head
 
     x = jnp.ones((num_tokens, cfg.hidden_size), runner.dtype) * 0.01

@@ -256,15 +256,12 @@ class Llama(nnx.Module):
         period = _period(kinds)
 
         at = functools.partial(self.layer_params, layer_params)
-        if self.unroll_layers:
-            for idx in range(cfg.num_layers):
-                x, cache = self.layer(x, cache, at(idx), jnp.int32(idx), kinds[idx], step)
-        elif period == 1:
-            def layer(carry, idx):
-                return self.layer(*carry, at(idx), idx, kinds[0], step), None
+        if period == 1 or self.unroll_layers:
+            def layer(carry, idx):  # idx: a Python int when unrolled (any period)
+                kind = kinds[idx] if isinstance(idx, int) else kinds[0]
+                return self.layer(*carry, at(idx), jnp.asarray(idx, jnp.int32), kind, step)
 
-            layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-            (x, cache), _ = jax.lax.scan(layer, (x, cache), layer_ids)
+            x, cache = self.over_layers(layer, (x, cache))
         else:
             # A period of layer kinds per iteration, each layer with its kind's static
             # window and RoPE; the layers past the last whole period follow the loop.
@@ -281,6 +278,17 @@ class Llama(nnx.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         return self.norm(x, top["final_norm"]), cache
+
+    def over_layers(self, fn, carry):
+        """carry = fn(carry, idx) for every layer in order: under `lax.scan` with idx traced,
+        or unrolled with idx a Python int (`unroll_layers`), which `layer_params` slices at
+        a constant index."""
+        if self.unroll_layers:
+            for idx in range(self.cfg.num_layers):
+                carry = fn(carry, idx)
+            return carry
+        layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        return jax.lax.scan(lambda c, idx: (fn(c, idx), None), carry, layer_ids)[0]
 
     def layer_params(self, stack: dict, idx) -> dict:
         """Layer `idx`'s parameters from the stacked ones: each sliced, except quantized

@@ -22,7 +22,7 @@ from models.llama import Llama
 from models.sharding import param_shardings, repeat_kv_heads, sharded_config
 from models.weights import build_model, pack_params, quant_plan, quantize_params
 from ops.attention import TENSOR_AXIS
-from ops.quantization import runs_native
+from ops.quantization import held_bytes, runs_native
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def weight_bytes(params) -> tuple[int, int]:
     quantization saves, reported at startup."""
     held = as_float32 = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        held += leaf.nbytes
+        held += held_bytes(leaf)
         if not str(getattr(path[-1], "key", path[-1])).endswith(("_scale", "_min")):
             # uint8 holds two packed 4-bit values (ops/quantization.pack)
             as_float32 += leaf.size * (8 if leaf.dtype == np.uint8 else 4)

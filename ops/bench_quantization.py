@@ -31,7 +31,14 @@ import jax
 import jax.numpy as jnp
 
 from ops.bench_attention import measure_ceilings, rel_err, time_median
-from ops.quantization import QuantFormat, dequantize, linear, quantize
+from ops.quantization import (
+    QuantFormat,
+    channel_sums,
+    dequantize,
+    held_bytes,
+    linear,
+    quantize,
+)
 
 FORMATS = {"float": None, "int8": QuantFormat(8, 0), "int4": QuantFormat(4, 32, has_min=True),
            "int8-reduce": QuantFormat(8, 0)}  # the last: `reduce_linear`, a candidate
@@ -40,10 +47,8 @@ ROTATE_BYTES = 512 << 20  # the float layers together exceed any cache (H200 L2:
 
 
 def weight_bytes(w) -> int:
-    """Bytes of one stack of weights as the device holds them (4-bit values: half a byte)."""
-    leaves = w.values() if isinstance(w, dict) else [w]
-    return sum(a.size * (4 if a.dtype in (jnp.int4, jnp.uint4) else 8 * a.dtype.itemsize)
-               for a in leaves) // 8
+    """Bytes of one stack of weights as the device holds them."""
+    return sum(held_bytes(a) for a in (w.values() if isinstance(w, dict) else [w]))
 
 
 def make_weights(fmt: QuantFormat | None, layers: int, out_f: int, in_f: int, dtype, seed: int):
@@ -58,11 +63,8 @@ def make_weights(fmt: QuantFormat | None, layers: int, out_f: int, in_f: int, dt
 
 
 def reduce_linear(x: jax.Array, w: dict) -> jax.Array:
-    """Per-channel int8 as `linear` runs one row on a GPU, at any row count: an elementwise
-    multiply and a sum over the inputs (a reduction XLA fuses with the conversion), not a
-    dot."""
-    prod = x.astype(jnp.float32)[:, None, :] * w["q"].astype(jnp.float32)[None]
-    return (prod.sum(-1) * w["scale"][:, 0].astype(jnp.float32)).astype(x.dtype)
+    """Per-channel int8 as `linear` runs one row on a GPU (`channel_sums`), at any row count."""
+    return channel_sums(x, w["q"], w["scale"])
 
 
 def layer_loop(x: jax.Array, w, layout: str = "stacked", product=linear) -> jax.Array:

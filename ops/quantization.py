@@ -228,11 +228,7 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
         return _packed_linear(x, w, out_dtype, chunked)
     if group == x.shape[-1] and minimum is None:  # per-channel: scale the output
         if x.shape[0] == 1 and reduces_one_row():
-            # One row on a GPU: a multiply and a sum over the inputs, which XLA fuses with the
-            # conversion into one pass over the int8 values; its dot ran 2-3x slower there
-            # (an H200, 4096 x 14336: 0.031-0.048 against 0.100-0.147 ms; ops.bench_quantization).
-            y = (x.astype(jnp.float32) * q.astype(jnp.float32)).sum(-1)[None]
-            return (y * scale[:, 0].astype(jnp.float32)).astype(out_dtype or x.dtype)
+            return channel_sums(x, q, scale, out_dtype)
         y = dot(x, q.astype(x.dtype))
         return y * scale[:, 0].astype(y.dtype)
     if x.shape[0] == 1:  # fused into the matrix-vector product (see the module docstring)
@@ -246,8 +242,23 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
 
 
 def reduces_one_row() -> bool:
-    """Whether `linear` runs one row of per-channel int8 as a multiply and a sum (on a GPU)."""
+    """Whether `linear` runs one row of per-channel int8 as `channel_sums` (on a GPU)."""
     return jax.default_backend() == "gpu"
+
+
+def channel_sums(x: jax.Array, q: jax.Array, scale: jax.Array, out_dtype=None) -> jax.Array:
+    """x [T, I] times per-channel int8 q [O, I] (scale [O, 1]) as a multiply and a sum over
+    the inputs in float32, not a dot: XLA fuses the conversion into one pass over the int8
+    values. A GPU runs one row so (an H200, 4096 x 14336: 0.031-0.048 against the dot's
+    0.100-0.147 ms; ops.bench_quantization); at 64 rows it was 10x slower than the dot."""
+    y = (x.astype(jnp.float32)[:, None, :] * q.astype(jnp.float32)[None]).sum(-1)
+    return (y * scale[:, 0].astype(jnp.float32)).astype(out_dtype or x.dtype)
+
+
+def held_bytes(a) -> int:
+    """Bytes the device holds for array `a`: 4-bit dtypes are packed two a byte there, though
+    jax's `nbytes` counts one each."""
+    return a.size // 2 if a.dtype in (jnp.int4, jnp.uint4) else a.nbytes
 
 
 def _in_blocks(x: jax.Array, w: dict, chunked: bool, product) -> jax.Array:

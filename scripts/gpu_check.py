@@ -15,7 +15,8 @@ leaves no time for are reported as skipped):
    and beside its floor. Then the same with `--quantization int8` (issue 14): its TPOT
    beside the bfloat16 one, and its bytes (one a weight) over the copy bandwidth.
 3. `python -m ops.bench_quantization`: float, int8 and int4 matmuls of the 8B MLP's shape at
-   1-256 rows, and whether XLA fused each dequantization into its dot.
+   1 and 64 rows, each layer's weights sliced as the model's scan does, at a loop counter
+   and at constant indices, and whether XLA copied or converted a whole matrix.
 4. the 8B engine at batch 64 (the engine's default limits).
 5. kernel tests: the attention kernels over float16, bfloat16, fp8 and int8 KV pages, and
    tests/test_pallas_gpu_attention.py, compiled for the GPU (interpret mode and a subset

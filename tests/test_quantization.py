@@ -103,6 +103,13 @@ def test_one_row_of_per_channel_int8_as_a_gpu_runs_it(monkeypatch):
                                    else 1e-5, atol=1e-4 if out_dtype is None else 2e-2)
 
 
+def test_held_bytes_count_4_bit_values_as_half_a_byte():
+    assert quantization.held_bytes(jnp.zeros((8, 64), jnp.int4)) == 256
+    assert quantization.held_bytes(jnp.zeros((8, 64), jnp.uint4)) == 256
+    assert quantization.held_bytes(jnp.zeros((8, 64), jnp.int8)) == 512
+    assert quantization.held_bytes(np.zeros((8, 64), np.float32)) == 2048
+
+
 def test_asymmetric_blocks_matmul():
     w = _weight(16, 64)
     raw = gguf.quants.quantize(w, T.Q4_1).reshape(-1)
