@@ -47,7 +47,6 @@ from engine.device import size_kv
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, StepResult
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from models.llama import weight
 from models.registry import param_specs
 from ops.attention import BACKENDS, KV_CACHE_DTYPES
 from ops.quantization import CHOICES as QUANTIZATION_CHOICES
@@ -81,7 +80,7 @@ def dense_seconds(runner: ModelRunner, num_tokens: int = 1, repeats: int = 30) -
     model = nnx.merge(runner.graphdef, runner.state)
     cfg = model.cfg
     layers = nnx.to_pure_dict(nnx.state(model.layers))
-    head = weight(model.top_params(), "embed" if cfg.tie_word_embeddings else "lm_head")
+    head = model.head(model.top_params())
 
     @jax.jit
     def dense(layers, head, x):
@@ -93,7 +92,7 @@ def dense_seconds(runner: ModelRunner, num_tokens: int = 1, repeats: int = 30) -
             return x + model.project(jax.nn.silu(gate) * up, p, "w_down")
 
         x = model.over_layers(layer, x)  # scanned or unrolled, as the model runs them
-        return model.linear(x, head, jnp.float32)  # as the model runs its head
+        return model.logits(x, head)  # as the model runs its head
 
     x = jnp.ones((num_tokens, cfg.hidden_size), runner.dtype) * 0.01
     return _best(lambda: dense(layers, head, x).block_until_ready(), repeats)

@@ -36,13 +36,17 @@ from ops.attention import (
     write_kv,
 )
 from ops.quantization import (
+    RARE,
     SCALE_DTYPE,
+    VOCAB_MATRICES,
     QuantFormat,
     embedding,
+    frequent_rows,
     linear,
     linears,
     runs_native,
     stacked,
+    vocab_linear,
 )
 
 # llama.cpp's tensor names within `blk.{i}.` -> HF's within `model.layers.{i}.` (Llama).
@@ -96,6 +100,14 @@ def weight(params: dict, name: str):
     return parts
 
 
+def vocab_matrix(params: dict, name: str) -> tuple:
+    """A vocabulary matrix as row blocks (ops/quantization.py `embedding`, `vocab_linear`):
+    the whole one, or under int4 its frequent rows and the rest."""
+    if name + RARE in params:
+        return weight(params, name), weight(params, name + RARE)
+    return (weight(params, name),)
+
+
 class _Stack(nnx.Module):
     """The per-layer parameters, each with a leading [L] axis."""
 
@@ -140,8 +152,17 @@ class Llama(nnx.Module):
         """`float_specs`, where a matrix quantized as `quant[name]` becomes `name` (integer
         values), `name_scale` and maybe `name_min`."""
         specs = cls.float_specs(cfg)
+        for name in quant or {}:  # an int4 vocabulary matrix's rows, split (ops/quantization)
+            whole = name.removesuffix(RARE)
+            if name != whole and whole in specs and whole in VOCAB_MATRICES:
+                spec, rows = specs[whole], frequent_rows(specs[whole].shape[0])
+                if rows is None or whole not in quant:
+                    raise ValueError(f"{name!r}: {whole!r} does not split")
+                specs[whole] = dataclasses.replace(spec, shape=(rows, *spec.shape[1:]))
+                specs[name] = dataclasses.replace(
+                    spec, shape=(spec.shape[0] - rows, *spec.shape[1:]))
         for name, fmt in (quant or {}).items():
-            if name not in specs or name not in QUANTIZABLE:
+            if name not in specs or name.removesuffix(RARE) not in QUANTIZABLE:
                 raise ValueError(f"{name!r} is not a quantizable parameter of this model")
             spec = specs[name]
             scale_shape = (*spec.shape[:-1], fmt.scale_columns(spec.shape[-1]))
@@ -305,7 +326,7 @@ class Llama(nnx.Module):
     # ---- the steps a family may override -----------------------------------------------
 
     def embed_tokens(self, top: dict, tokens: jax.Array) -> jax.Array:
-        return embedding(weight(top, "embed"), tokens, self.dtype)
+        return embedding(vocab_matrix(top, "embed"), tokens, self.dtype)
 
     def norm(self, x: jax.Array, w: jax.Array) -> jax.Array:
         return rms_norm(x, w, self.cfg.rms_norm_eps)
@@ -367,10 +388,15 @@ class Llama(nnx.Module):
 
     # ---- the head ----------------------------------------------------------------------
 
-    def logits(self, x: jax.Array) -> jax.Array:  # [N, E] final-normed -> [N, V] float32
-        """The LM head."""
-        head = "embed" if self.cfg.tie_word_embeddings else "lm_head"
-        return self.linear(x, weight(self.top_params(), head), jnp.float32)
+    def logits(self, x: jax.Array, head: tuple | None = None) -> jax.Array:
+        """The LM head: [N, E] final-normed -> [N, V] float32; `head` as `head()` gives it
+        (default: this model's)."""
+        head = self.head(self.top_params()) if head is None else head
+        return vocab_linear(x, head, **self._matmul_options())
+
+    def head(self, top: dict) -> tuple:
+        """The LM head as `vocab_linear` takes it, from `top_params()`."""
+        return vocab_matrix(top, "embed" if self.cfg.tie_word_embeddings else "lm_head")
 
     def top_params(self) -> dict:
         """The parameters outside the layer stack (embeddings, final norm, LM head)."""

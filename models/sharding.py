@@ -98,9 +98,10 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, quant: dict | None = None) -> 
     rules = dict(RULES)
     if cfg.num_kv_heads % size:
         rules["kv_heads"] = None
-    if cfg.vocab_size % size:
-        rules["vocab"] = None
     specs = param_specs(cfg, quant)
+    if any(n % size for spec in specs.values() for n, a in zip(spec.shape, spec.axes)
+           if a == "vocab"):  # the vocabulary, or an int4 head's row blocks
+        rules["vocab"] = None
     for name, spec in specs.items():
         if name.endswith(("_scale", "_min")) and spec.shape[-1] % size and rules[spec.axes[-1]]:
             raise ValueError(f"tensor parallel size {size} does not divide the "

@@ -23,13 +23,18 @@ from models.llama import QUANTIZABLE
 from models.progress import progress_bar
 from models.registry import model_class, param_specs
 from ops.quantization import (
+    RARE,
+    VOCAB_MATRICES,
     QuantFormat,
     dequantize,
+    frequent_rows,
     pack,
     packed_formats,
     quantize,
+    rows_of,
     runs_native,
     scheme_format,
+    split_rows,
 )
 
 
@@ -66,7 +71,9 @@ def quant_plan(cfg: ModelConfig, quantization: str | None,
     tensor is stored in one format that we take over losslessly keeps it (GGUF Q8_0, Q4_0,
     Q4_1, whichever weight-only scheme was asked for: requantizing would only lose; w8a8's
     matmuls need its own format, so it requantizes them); under a scheme the others get its
-    format, under "auto" they stay float. None or "none": every weight in float."""
+    format, under "auto" they stay float. None or "none": every weight in float. Under
+    int4 an 8-bit vocabulary matrix `name` holds its frequent rows only, the rest are
+    `name + RARE` in int4 (ops/quantization.py FREQUENT_ROWS)."""
     if quantization in (None, "none"):
         return {}
     plan = {}
@@ -80,7 +87,23 @@ def quant_plan(cfg: ModelConfig, quantization: str | None,
             plan[name] = kept  # w8a8 needs per-channel int8 throughout: it requantizes
         elif wanted is not None:
             plan[name] = wanted
+    if quantization == "int4" and frequent_rows(cfg.vocab_size) is not None:
+        for name in VOCAB_MATRICES:  # 8 bits for the frequent rows only (ops/quantization.py)
+            if name in plan and plan[name].bits == 8:
+                plan[name + RARE] = scheme_format("int4")
     return plan
+
+
+def split_vocab(name: str, w, quant: dict[str, QuantFormat]) -> list[tuple[str, object]]:
+    """[(parameter, value)] for float or quantized matrix `name`: itself, or an int4
+    vocabulary matrix's frequent rows and the rest (`quant_plan`), the rest made float (a
+    kept GGUF Q8_0 table's values, exact) to be quantized to int4."""
+    if name + RARE not in quant:
+        return [(name, w)]
+    frequent, rare = split_rows(w, frequent_rows(rows_of(w)))
+    if isinstance(rare, dict):
+        rare = dequantize(rare["q"], rare["scale"], rare.get("min"), xp=np)
+    return [(name, frequent), (name + RARE, rare)]
 
 
 # HF tensors that carry no parameter of ours and may be skipped.
@@ -129,23 +152,24 @@ def assemble_params(
         if shape != rule.shape:
             raise WeightError(f"{source}: tensor {shown!r} has shape {shape}, "
                               f"expected {rule.shape}")
-        fmt = quant.get(rule.target)
-        if fmt is None:
-            if isinstance(w, dict):
-                w = dequantize(w["q"], w["scale"], w.get("min"), xp=np)
-            parts = {"": w if w.dtype == np_dtype else np.asarray(w, np.float32)}
-        else:
-            if not isinstance(w, dict):
-                w = quantize(w, fmt)
-            parts = {"": w["q"], "_scale": w["scale"]}
-            if "min" in w:
-                parts["_min"] = w["min"]
-        for suffix, value in parts.items():
-            buffer = buffers[rule.target + suffix]
-            if rule.layer is None:
-                buffer[...] = value
+        for target, w in split_vocab(rule.target, w, quant):
+            fmt = quant.get(target)
+            if fmt is None:
+                if isinstance(w, dict):
+                    w = dequantize(w["q"], w["scale"], w.get("min"), xp=np)
+                parts = {"": w if w.dtype == np_dtype else np.asarray(w, np.float32)}
             else:
-                buffer[rule.layer] = value
+                if not isinstance(w, dict):
+                    w = quantize(w, fmt)
+                parts = {"": w["q"], "_scale": w["scale"]}
+                if "min" in w:
+                    parts["_min"] = w["min"]
+            for suffix, value in parts.items():
+                buffer = buffers[target + suffix]
+                if rule.layer is None:
+                    buffer[...] = value
+                else:
+                    buffer[rule.layer] = value
         filled.add(hf_name)
     missing = [name for name in rules if name not in filled]
     if missing:
@@ -159,6 +183,10 @@ def quantize_params(params: dict, quant: dict[str, QuantFormat], *, xp=np) -> di
     `name_scale`[, `name_min`]), the rest as they are; on the host, or (xp=jnp, under jit)
     on the device."""
     flat = traverse_util.flatten_dict(params, sep=".")
+    for name in VOCAB_MATRICES:
+        if name + RARE in quant:
+            flat[name], flat[name + RARE] = split_rows(flat[name],
+                                                       frequent_rows(flat[name].shape[0]))
     for name, fmt in quant.items():
         parts = quantize(flat[name], fmt, xp=xp)
         flat[name] = parts.pop("q").astype(fmt.storage_dtype())

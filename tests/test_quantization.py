@@ -121,6 +121,31 @@ def test_asymmetric_blocks_matmul():
                                    rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_vocabulary_matrix_in_row_blocks_is_the_whole_one(native, rows):
+    """int4's head: the frequent rows in 8 bits, the rest in 4 (packed, as the CPU kernel
+    holds them): the embedding and the logits are the whole dequantized table's."""
+    from ops import native as native_ops
+    if native and not native_ops.available():
+        pytest.skip("no CPU kernel here")
+    w = _weight(96, 64)
+    frequent = quantize(w[:32], QuantFormat(8, 32))
+    rare = quantize(w[32:], QuantFormat(4, 32, True))
+    whole = np.concatenate([dequantize(b["q"], b["scale"], b.get("min"), xp=np)
+                            for b in (frequent, rare)])
+    if native:
+        rare = {**rare, "q": quantization.pack(rare["q"], symmetric=False)}
+    blocks = (frequent, rare)
+    tokens = np.array([0, 31, 32, 95, 40, 3], np.int32)
+    got = jax.jit(lambda b, t: quantization.embedding(b, t, jnp.float32))(blocks, tokens)
+    np.testing.assert_array_equal(np.asarray(got), whole[tokens])
+    x = np.random.default_rng(rows).standard_normal((rows, 64)).astype(np.float32)
+    logits = jax.jit(lambda x, b: quantization.vocab_linear(x, b, native=native))(x, blocks)
+    assert logits.shape == (rows, 96) and logits.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(logits), x @ whole.T, rtol=1e-5, atol=1e-4)
+
+
 def test_quantize_on_device_equals_host():
     w = _weight()
     for fmt in (QuantFormat(8, 0), QuantFormat(4, 32), QuantFormat(4, 32, True)):
@@ -199,6 +224,33 @@ def test_default_model_keeps_its_gguf_blocks(default_gguf):
     assert held / as_float32 < (0.18 if packed else 0.28)
 
 
+def test_default_model_int4_head_keeps_its_frequent_rows_in_8_bits(default_gguf):
+    """Under int4 the file's Q8_0 head keeps its first FREQUENT_ROWS rows as they are; the rest
+    are its values in int4 with minimums. The weights are then at most 16% of float32's."""
+    from models.loader import load_model, weight_bytes
+
+    model = load_model(default_gguf, quantization="int4")
+    quant, top = dict(model.quant), model.top_params()
+    rows = quantization.FREQUENT_ROWS
+    assert quant["embed"] == QuantFormat(8, 32)
+    assert quant["embed_rare"] == QuantFormat(4, 32, True, packed=model.native_matmuls)
+    index = open_gguf(default_gguf)
+    tensor = next(t for t in index.tensors if t.name == "token_embd.weight")
+    file = repack(index.raw(tensor), tensor.tensor_type, tuple(reversed(tensor.shape)))
+    np.testing.assert_array_equal(np.asarray(top["embed"]), file["q"][:rows])
+    np.testing.assert_array_equal(np.asarray(top["embed_scale"]), file["scale"][:rows])
+    rest = dequantize(file["q"][rows:], file["scale"][rows:], xp=np)
+    want = quantize(rest, QuantFormat(4, 32, True))
+    got = np.asarray(top["embed_rare"])
+    if model.native_matmuls:
+        got = np.asarray(quantization.unpack(jnp.asarray(got), symmetric=False))
+    np.testing.assert_array_equal(got, want["q"])
+    np.testing.assert_array_equal(np.asarray(top["embed_rare_min"]), want["min"])
+    held, as_float32 = weight_bytes(nnx.to_pure_dict(nnx.state(model)))
+    if model.native_matmuls:  # 4-bit values two a byte (else one: see ops/quantization.py)
+        assert held / as_float32 <= 0.16
+
+
 def test_engine_offers_the_quantization_choices():
     from engine.config import QUANTIZATION_CHOICES
 
@@ -207,8 +259,8 @@ def test_engine_offers_the_quantization_choices():
 
 def test_quantization_plans(default_gguf, tmp_path):
     """auto keeps a GGUF's Q8_0/Q4_0/Q4_1 blocks and nothing else; a scheme quantizes the rest
-    (int4: the layers in 4 bits with minimums, the embedding / head in 8, as llama.cpp's Q4
-    files do); none is all float."""
+    (int4: the layers in 4 bits with minimums, the embedding / head's frequent rows in 8 and
+    the others in 4); none is all float."""
     from tiny_models import save_tiny_hf
 
     from models.gguf_loader import load_gguf_params
@@ -225,6 +277,11 @@ def test_quantization_plans(default_gguf, tmp_path):
     int4 = load_hf_params(src, tiny, jnp.float32, "int4")[1]
     assert int4["layers.w_down"] == QuantFormat(4, 32, True)
     assert int4["embed"] == int4["lm_head"] == QuantFormat(8, 32)
+    assert "embed_rare" not in int4  # 256 rows: too few to split
+    _, gguf_int4 = load_gguf_params(default_gguf, cfg, jnp.float32, "int4")
+    assert gguf_int4["embed"] == QuantFormat(8, 32)  # its frequent rows, the file's Q8_0
+    assert gguf_int4["embed_rare"] == QuantFormat(4, 32, True)
+    assert "embed_rare" not in auto
     int8 = load_hf_params(src, tiny, jnp.float32, "int8")[1]
     assert set(int8.values()) == {QuantFormat(8, 0)}
     # w8a8's matmuls need per-channel int8 everywhere: the file's blocks are requantized.
@@ -241,7 +298,13 @@ def _as_held(scheme: str, model):
     return quantization.packed_formats({"wq": fmt})["wq"] if model.native_matmuls else fmt
 
 
-def test_quantized_checkpoint_round_trip(tmp_path):
+@pytest.fixture
+def small_frequent_rows(monkeypatch):
+    """int4 splits the tiny models' 256-row vocabulary matrices: 64 frequent rows."""
+    monkeypatch.setattr(quantization, "FREQUENT_ROWS", 64)
+
+
+def test_quantized_checkpoint_round_trip(tmp_path, small_frequent_rows):
     from tiny_models import save_tiny_hf
 
     from models.convert import convert
@@ -256,6 +319,7 @@ def test_quantized_checkpoint_round_trip(tmp_path):
         ckpt = convert(src, tmp_path / scheme, quantization=scheme)
         model = load_model(ckpt)
         assert dict(model.quant)["layers.wq"] == _as_held(scheme, model)
+        assert ("lm_head_rare" in dict(model.quant)) == (scheme == "int4")
         assert model.int8_activations == (scheme == "w8a8")
         np.testing.assert_array_equal(GreedyDecoder(model, max_len=64).prompt_logits(ids), want)
         with pytest.raises(ValueError, match="float weights"):
@@ -263,7 +327,7 @@ def test_quantized_checkpoint_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
-def test_random_weights_quantize_on_the_device(scheme):
+def test_random_weights_quantize_on_the_device(scheme, small_frequent_rows):
     from models.presets import preset_config
     from models.weights import random_model
 
@@ -274,3 +338,4 @@ def test_random_weights_quantize_on_the_device(scheme):
     assert model.layers.wq[...].any()
     if scheme == "int4":  # every part of the format, minimums included (they were left at 0)
         assert model.layers.wq_min[...].any()
+        assert model.embed[...].shape[0] == 64 and model.embed_rare_min[...].any()

@@ -150,10 +150,11 @@ def test_no_compilation_after_warmup_under_tensor_parallelism(llama_tiny):
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
-def test_quantized_weights_split_consistently(llama_tiny, quantization):
+def test_quantized_weights_split_consistently(llama_tiny, quantization, monkeypatch):
     tiny = llama_tiny
     # Values and their scales are split along the same rows (or groups): every size gives
-    # the one-device tokens.
+    # the one-device tokens. int4's head is in two row blocks (64 frequent rows here).
+    monkeypatch.setattr("ops.quantization.FREQUENT_ROWS", 64)
     def decoder(size):
         mesh = None if size == 1 else make_mesh(size)
         return GreedyDecoder(load_model(tiny, dtype="float32", mesh=mesh,
