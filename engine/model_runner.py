@@ -178,7 +178,7 @@ class ModelRunner:
         held, as_float32 = weight_bytes(nnx.to_pure_dict(self.state))
         self.weight_bytes = held
         logger.info(
-            "%s: %s compute, %.1f MiB of weights (%.0f%% of float32)%s, %s attention, "
+            "%s: %s compute, %.1f MiB of weights (%.1f%% of float32)%s, %s attention, "
             "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, %d KV pages of %d "
             "tokens (%d tokens, %.2f GiB in %s); executables: a body per token count %s, a head "
             "per sequence count %s",
