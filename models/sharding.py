@@ -99,7 +99,7 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, quant: dict | None = None) -> 
     if cfg.num_kv_heads % size:
         rules["kv_heads"] = None
     specs = param_specs(cfg, quant)
-    if any(n % size for spec in specs.values() for n, a in zip(spec.shape, spec.axes)
+    if any(n % size for spec in specs.values() for n, a in zip(spec.shape, spec.axes, strict=True)
            if a == "vocab"):  # the vocabulary, or an int4 head's row blocks
         rules["vocab"] = None
     for name, spec in specs.items():

@@ -152,24 +152,25 @@ def assemble_params(
         if shape != rule.shape:
             raise WeightError(f"{source}: tensor {shown!r} has shape {shape}, "
                               f"expected {rule.shape}")
-        for target, w in split_vocab(rule.target, w, quant):
+        for target, value in split_vocab(rule.target, w, quant):
             fmt = quant.get(target)
             if fmt is None:
-                if isinstance(w, dict):
-                    w = dequantize(w["q"], w["scale"], w.get("min"), xp=np)
-                parts = {"": w if w.dtype == np_dtype else np.asarray(w, np.float32)}
+                if isinstance(value, dict):
+                    value = dequantize(value["q"], value["scale"], value.get("min"), xp=np)
+                parts = {"": value if value.dtype == np_dtype
+                         else np.asarray(value, np.float32)}
             else:
-                if not isinstance(w, dict):
-                    w = quantize(w, fmt)
-                parts = {"": w["q"], "_scale": w["scale"]}
-                if "min" in w:
-                    parts["_min"] = w["min"]
-            for suffix, value in parts.items():
+                if not isinstance(value, dict):
+                    value = quantize(value, fmt)
+                parts = {"": value["q"], "_scale": value["scale"]}
+                if "min" in value:
+                    parts["_min"] = value["min"]
+            for suffix, part in parts.items():
                 buffer = buffers[target + suffix]
                 if rule.layer is None:
-                    buffer[...] = value
+                    buffer[...] = part
                 else:
-                    buffer[rule.layer] = value
+                    buffer[rule.layer] = part
         filled.add(hf_name)
     missing = [name for name in rules if name not in filled]
     if missing:
