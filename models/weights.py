@@ -185,9 +185,8 @@ def quantize_params(params: dict, quant: dict[str, QuantFormat], *, xp=np) -> di
     on the device."""
     flat = traverse_util.flatten_dict(params, sep=".")
     for name in VOCAB_MATRICES:
-        if name + RARE in quant:
-            flat[name], flat[name + RARE] = split_rows(flat[name],
-                                                       frequent_rows(flat[name].shape[0]))
+        if name in flat:
+            flat.update(split_vocab(name, flat[name], quant))
     for name, fmt in quant.items():
         parts = quantize(flat[name], fmt, xp=xp)
         flat[name] = parts.pop("q").astype(fmt.storage_dtype())

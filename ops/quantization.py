@@ -437,7 +437,7 @@ def vocab_linear(x: jax.Array, blocks: tuple, **kwargs) -> jax.Array:
     takes them; the first rows first) -> [T, V] float32 logits: one product per block (one
     kernel call for all where ops/native's kernel takes them), joined."""
     ys = linears(x, list(blocks), out_dtype=jnp.float32, **kwargs)
-    return ys[0] if len(ys) == 1 else jnp.concatenate([y.astype(jnp.float32) for y in ys], -1)
+    return ys[0] if len(ys) == 1 else jnp.concatenate(ys, -1)
 
 
 def embedding(table, tokens: jax.Array, dtype) -> jax.Array:
