@@ -8,7 +8,6 @@ the answer. Every failure leaves as an OpenAI-shaped error with its status.
 
 from __future__ import annotations
 
-import json
 import time
 from importlib import metadata
 
@@ -25,7 +24,7 @@ from server.errors import CLIENT_ERRORS, APIError, api_error
 from server.generation import create_chat_completion, create_completion
 from server.metrics import ServerMetrics
 from server.middleware import APIKeyAuth, RequestLimits
-from server.openapi import openapi_schema
+from server.openapi import ServedModel, openapi_schema
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,6 +32,7 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.reasoning import ReasoningParser
+from server.strict_json import InvalidJSON, parse_json
 
 MAX_BODY_BYTES = 8 << 20
 MAX_HEADERS = 100
@@ -48,8 +48,10 @@ def _version() -> str:
 class Server:
     """The state the handlers share: the engines, the metrics, the reasoning parser."""
 
-    def __init__(self, engines: Engines, reasoning_parser: str | None = None):
+    def __init__(self, engines: Engines, reasoning_parser: str | None = None,
+                 api_key: bool = False):
         self.engines = engines
+        self.api_key = api_key  # whether requests need one (for /openapi.json)
         self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.metrics = ServerMetrics(engines)
         self.created = int(time.time())
@@ -125,14 +127,16 @@ class Server:
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi(self, request: Request) -> Response:
-        return JSONResponse(openapi_schema(_version()))
+        served = {name: ServedModel(self.engines[name].max_model_len,
+                                    self.engines[name].engine.vocab_size)
+                  for name in self.engines.names()}
+        return JSONResponse(openapi_schema(_version(), served, self.api_key))
 
 
 async def _json(request: Request) -> object:
-    body = await request.body()
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return parse_json(await request.body())
+    except InvalidJSON as e:
         raise APIError(400, f"the body is not valid JSON: {e}") from None
 
 
@@ -150,7 +154,7 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[str] = (),
               max_body_bytes: int = MAX_BODY_BYTES, max_headers: int = MAX_HEADERS,
               reasoning_parser: str | None = None) -> Starlette:
-    server = Server(engines, reasoning_parser)
+    server = Server(engines, reasoning_parser, api_key=bool(api_key))
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),

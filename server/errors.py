@@ -51,7 +51,10 @@ def api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, pydantic.ValidationError):
-        first = exc.errors()[0]
+        # A value that fails a union (str or list, ...) fails each member; the member whose
+        # type it has says what is wrong with it (a list too long, not "should be a string").
+        errors = exc.errors(include_url=False)
+        first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
         loc = first["loc"]
         where = ".".join(str(p) for p in loc) or "body"
         return APIError(400, f"{where}: {first['msg']}", param=str(loc[0]) if loc else None)

@@ -340,13 +340,10 @@ async def _disconnected(request: Request) -> None:
 
 async def create_completion(request: Request, req: CompletionRequest, model: str,
                             engine: AsyncEngine, tracker: RequestTracker) -> Response:
-    prompts = req.prompts()
-    if not prompts:
-        raise APIError(400, "prompt is empty", param="prompt")
     gen = Generation(False, model, engine, req.to_sampling_params(), tracker, echo=req.echo,
                      include_usage=req.include_usage, return_token_ids=req.return_token_ids,
                      cache_salt=req.cache_salt)  # (a grammar here comes from structured_outputs)
-    await gen.start(prompts, add_special_tokens=True)
+    await gen.start(req.prompts(), add_special_tokens=True)
     return gen.stream_response() if req.stream else await gen.response(request)
 
 

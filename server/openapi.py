@@ -1,7 +1,10 @@
 """GET /openapi.json: the API description, with request schemas generated from the pydantic
-models the handlers validate with (so the two cannot drift apart)."""
+models the handlers validate with (so the two cannot drift apart), and the bounds that depend
+on the served models (their names, context lengths, vocabularies) filled in from them."""
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
@@ -40,29 +43,70 @@ _ERRORS = {"400": "Invalid parameters or prompt.", "401": "Missing or wrong API 
            "429": "The waiting queue is full.", "503": "The engine is down or rebooting."}
 
 
-def openapi_schema(version: str) -> dict:
+class ServedModel(NamedTuple):
+    max_model_len: int
+    vocab_size: int | None  # None: the engine does not check token ids against one
+
+
+def openapi_schema(version: str, served: dict[str, ServedModel], api_key: bool) -> dict:
+    """The description of this server: its models' bounds, and the bearer key where it has
+    one (everywhere but /health)."""
     schemas: dict = {"ErrorResponse": _ERROR}
     paths: dict = {}
+    errors = {code: text for code, text in _ERRORS.items() if api_key or code != "401"}
     for path, (method, summary, model, response) in _ROUTES.items():
         op: dict = {"summary": summary, "responses": {
             "200": {"description": response},
             **{code: {"description": text, "content": {"application/json": {
                 "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
-               for code, text in _ERRORS.items()}}}
+               for code, text in errors.items()}}}
         if model is not None:
             schemas.update(_schemas(model))
             op["requestBody"] = {"required": True, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        if api_key and path == "/health":
+            op["security"] = []
         paths[path] = {method: op}
+    _fill_served(schemas, served)
+    components: dict = {"schemas": schemas}
+    if api_key:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return {"openapi": "3.1.0",
             "info": {"title": "xlaserve", "version": version,
                      "description": "An OpenAI-compatible API served by xlaserve."},
-            "components": {"schemas": schemas,
-                           "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-            "security": [{"bearer": []}], "paths": paths}
+            "components": components, "paths": paths,
+            **({"security": [{"bearer": []}]} if api_key else {})}
 
 
 def _schemas(model: type[BaseModel]) -> dict:
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     defs = schema.pop("$defs", {})
     return {**defs, model.__name__: schema}
+
+
+def _fill_served(node: Any, served: dict[str, ServedModel]) -> None:
+    """Replace the "x-served" marks (server/protocol.py) with the served models' bounds: with
+    several models, the loosest of them (the request's model decides the rest)."""
+    if isinstance(node, list):
+        for item in node:
+            _fill_served(item, served)
+        return
+    if not isinstance(node, dict):
+        return
+    if len(served) > 1 and node.get("properties", {}).get("model", {}).get("x-served"):
+        node.setdefault("required", []).append("model")  # null picks the only model
+    for value in node.values():
+        _fill_served(value, served)
+    what = node.pop("x-served", None)
+    if not served:
+        return
+    vocab = [m.vocab_size for m in served.values()]
+    if what == "model":
+        names = {"enum": sorted(served)}
+        node.pop("anyOf", None)
+        node.update({"anyOf": [names, {"type": "null"}]} if len(served) == 1 else names)
+    elif what == "max_tokens":  # a prompt takes at least one token of the context
+        most = max(m.max_model_len for m in served.values()) - 1
+        node["maxItems" if node.get("type") == "array" else "maximum"] = most
+    elif what == "token_id" and None not in vocab:
+        node["maximum"] = max(vocab) - 1

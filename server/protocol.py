@@ -2,17 +2,57 @@
 
 Unknown fields are ignored, as OpenAI clients send fields that change nothing here
 (`user`, `store`, `metadata`, ...). Fields we cannot honour are refused with a 400
-naming them, never silently dropped. The same models generate /openapi.json.
+naming them, never silently dropped. The same models generate /openapi.json: every range,
+length and enum a field is validated against is in its schema, and so are the rules that tie
+fields together (JSON Schema `if`/`then` beside the validator that enforces them). A request
+that follows the schema is refused only for what JSON Schema cannot say: its prompt's length
+in tokens, a grammar that does not compile, fields compared with each other (min_tokens and
+max_tokens, unique tool names, the tool a tool_choice names).
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from engine.sampling_params import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
+)
+from server.strict_json import InvalidJSON, parse_json
+
+INT32_MAX = 2**31 - 1  # the engine keeps top_k, min_tokens and banned ids in int32 columns
+
+
+# Fields whose bounds depend on the served models carry an "x-served" mark that
+# server/openapi.py replaces with those bounds: the served model names, a token id below the
+# vocabulary size, at most max_model_len - 1 tokens (a prompt needs one).
+def _served(what: str) -> dict:
+    return {"x-served": what}
+
+
+TokenId = Annotated[int, Field(ge=0, json_schema_extra=_served("token_id"))]
+StopString = Annotated[str, Field(min_length=1)]
+
+
+def _rules(*rules: dict):
+    """json_schema_extra adding rules across fields (enforced by the model's validators)."""
+    def extra(schema: dict) -> None:
+        schema.setdefault("allOf", []).extend(rules)
+    return extra
+
+
+def _given(field: str, schema: dict | None = None) -> dict:
+    """The JSON Schema condition 'field is present and matches schema (default: not null)'."""
+    return {"required": [field],
+            "properties": {field: schema if schema is not None else {"not": {"type": "null"}}}}
+
+
+def _when(condition: dict, then: dict) -> dict:
+    return {"if": condition, "then": then}
 
 
 class StreamOptions(BaseModel):
@@ -22,11 +62,17 @@ class StreamOptions(BaseModel):
 class StructuredOutputsRequest(BaseModel):
     """vLLM's `structured_outputs` extension: exactly one of these."""
 
+    # (SamplingParams checks that exactly one is given.)
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        _given("json"), _given("json_object", {"const": True}), _given("regex"),
+        _given("choice"), _given("grammar")]})
+
     json_: dict[str, Any] | str | None = Field(None, alias="json",
                                                 description="A JSON schema the output follows.")
     json_object: bool | None = Field(None, description="Any JSON object.")
     regex: str | None = None
-    choice: list[str] | None = Field(None, description="The output is one of these strings.")
+    choice: list[StopString] | None = Field(None, min_length=1,
+                                            description="The output is one of these strings.")
     grammar: str | None = Field(None, description="A Lark (llguidance) or GBNF grammar.")
 
     def params(self) -> StructuredOutputsParams:
@@ -34,29 +80,40 @@ class StructuredOutputsRequest(BaseModel):
                                        regex=self.regex, choice=self.choice, grammar=self.grammar)
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# A rule every generation request follows (checked in _Request.sampling_params).
+_SAMPLING_RULES = (_when(_given("stream_options"), _given("stream", {"const": True})),)
+# best_of must equal n, which JSON Schema can only say with a branch per value of n; schema
+# generators (schemathesis) then take several times longer per request, so the schema asks
+# for null and the description says the rest.
+_BEST_OF = {"type": "null", "description": "Only best_of == n is supported (and changes nothing)."}
 
-    model: str | None = Field(None, description="Served model name; optional with one model.")
-    n: int = Field(1, description="Choices per prompt.")
-    best_of: int | None = Field(None, description="Only best_of == n is supported.")
-    temperature: float = 1.0
-    top_p: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_rules(*_SAMPLING_RULES))
+
+    model: str | None = Field(None, description="Served model name; optional with one model.",
+                              json_schema_extra=_served("model"))
+    n: int = Field(1, ge=1, le=16, description="Choices per prompt.")
+    best_of: Annotated[int | None, WithJsonSchema(_BEST_OF)] = None
+    temperature: float = Field(1.0, ge=0, le=100)
+    top_p: float = Field(1.0, gt=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported (400 if set).")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported (400 if set).",
+                                                json_schema_extra={"maxProperties": 0})
     user: str | None = None
     # Engine extensions, as in vLLM.
-    top_k: int = Field(0, description="0 or -1: off.")
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    top_k: int = Field(0, ge=-1, le=INT32_MAX, description="0 or -1: off.")
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+        None, max_length=12)
     skip_special_tokens: bool = True
     return_token_ids: bool = Field(False, description="Add prompt_token_ids and token_ids to "
                                                       "each choice (vLLM extension).")
@@ -99,25 +156,49 @@ class _Request(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+MaxTokens = Annotated[int, Field(ge=1, json_schema_extra=_served("max_tokens"))]
+
+# What _no_empty_prompt and the engine's vocabulary check enforce, for /openapi.json.
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0,
+                                                         **_served("token_id")},
+              **_served("max_tokens")}
+_PROMPT = {"anyOf": [{"type": "string", "minLength": 1},
+                     {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                     _TOKEN_IDS, {"type": "array", "minItems": 1, "items": _TOKEN_IDS}],
+           "description": "Text, token ids, or a batch of either."}
+
+
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="Text, token ids, or a batch of either.")
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(None, description="Top-N logprobs per token (N <= 20).")
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(_PROMPT)]
+    max_tokens: MaxTokens | None = 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description=f"Top-N logprobs per token (N <= {MAX_LOGPROBS}).")
     echo: bool = False
-    suffix: str | None = Field(None, description="Not supported (400 if set).")
+    suffix: str | None = Field(None, description="Not supported (400 if set).",
+                               json_schema_extra={"maxLength": 0})
+
+    @field_validator("prompt")
+    @classmethod
+    def _no_empty_prompt(cls, prompt):
+        prompts = _prompts(prompt)
+        if not prompts or not all(prompts):
+            raise ValueError("prompt is empty")
+        return prompt
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of a (possibly batched) request."""
-        p = self.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return [p]
-        return list(p)
+        return _prompts(self.prompt)
 
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise SamplingParamsError("suffix", "suffix is not supported")
         return self.sampling_params(self.max_tokens, self.logprobs)
+
+
+def _prompts(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
 
 
 class TextPart(BaseModel):
@@ -126,10 +207,15 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool_calls, ... reach the template
+    # tool_calls, ... reach the template. The schema asks every message for its content, as
+    # templates do (a turn of tool calls, which the schema leaves undescribed, may go without).
+    model_config = ConfigDict(extra="allow", json_schema_extra=_rules(
+        _given("content"), _when(_given("role", {"const": "tool"}),
+                                 _given("tool_call_id", {"type": "string", "minLength": 1}))))
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(
+        None, description="Required, except on an assistant turn with tool_calls.")
     name: str | None = None
     tool_call_id: str | None = Field(None, description="Required for role 'tool'.")
 
@@ -162,8 +248,8 @@ def _call_for_template(call: Any) -> dict[str, Any]:
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as e:
+            arguments = parse_json(arguments) if arguments.strip() else {}
+        except InvalidJSON as e:
             raise SamplingParamsError("messages", f"tool call {function['name']!r}: arguments "
                                       f"are not JSON ({e})") from None
     return {**call, "function": {**function, "arguments": arguments}}
@@ -177,6 +263,12 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    # (checked in ChatCompletionRequest.structured)
+    model_config = ConfigDict(json_schema_extra=_rules(_when(
+        _given("type", {"const": "json_schema"}),
+        _given("json_schema", {"required": ["schema"],
+                               "properties": {"schema": {"type": "object"}}}))))
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -201,19 +293,50 @@ class NamedToolChoice(BaseModel):
     function: _Name
 
 
+_CONSTRAINS = {"type": "object", "properties": {"type": {"enum": ["json_object", "json_schema"]}}}
+_NO_CONSTRAINT = {"properties": {"structured_outputs": {"type": "null"}, "response_format": {
+    "anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]}}}
+# Rules of a chat request (checked in _tool_choice_names_a_tool and to_sampling_params); that a
+# named tool_choice names one of the tools, and that tool names are unique, JSON Schema cannot say.
+_CHAT_RULES = (
+    _when(_given("top_logprobs"), _given("logprobs", {"const": True})),
+    _when(_given("tool_choice", {"not": {"enum": ["none", None]}}),
+          _given("tools", {"type": "array", "minItems": 1})),
+    _when(_given("tool_choice", {"anyOf": [{"const": "required"}, {"type": "object"}]}),
+          _NO_CONSTRAINT),
+    _when(_given("response_format", _CONSTRAINS),
+          {"properties": {"structured_outputs": {"type": "null"}}}),
+)
+# The template's own arguments, which chat_template_kwargs cannot override.
+_TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools")
+
+
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage]
-    max_tokens: int | None = Field(None, description="Deprecated name of max_completion_tokens.")
-    max_completion_tokens: int | None = None
+    model_config = ConfigDict(json_schema_extra=_rules(*_SAMPLING_RULES, *_CHAT_RULES))
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: MaxTokens | None = Field(None,
+                                         description="Deprecated name of max_completion_tokens.")
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="Default: 'auto' with tools, 'none' without.")
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template.",
+        json_schema_extra={"propertyNames": {"not": {"enum": list(_TEMPLATE_ARGUMENTS)}}})
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_template_arguments(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        given = [k for k in _TEMPLATE_ARGUMENTS if k in (kwargs or {})]
+        if given:
+            raise ValueError(f"{', '.join(given)}: set by the request's own fields")
+        return kwargs
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
@@ -281,13 +404,16 @@ class ChatCompletionRequest(_Request):
 
 
 class TokenizeRequest(BaseModel):
-    model: str | None = None
+    # (checked by the handler)
+    model_config = ConfigDict(json_schema_extra={"oneOf": [_given("prompt"), _given("messages")]})
+
+    model: str | None = Field(None, json_schema_extra=_served("model"))
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(BaseModel):
-    model: str | None = None
-    tokens: list[int]
+    model: str | None = Field(None, json_schema_extra=_served("model"))
+    tokens: list[TokenId]

@@ -150,7 +150,7 @@ class _CallScanner:
         """The finished call's arguments text, or None when the call is broken."""
         try:
             json.loads(self.raw[:self.end])
-        except ValueError:
+        except (ValueError, RecursionError):  # (a reply can nest deeper than json recurses)
             return None
         if not self.name:
             return None
@@ -162,7 +162,7 @@ class _CallScanner:
             try:
                 if not isinstance(json.loads(text), dict):
                     return None
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
         elif not text.startswith("{"):
             return None

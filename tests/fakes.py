@@ -74,8 +74,8 @@ class FakeRunner:
                           np.zeros((n, 20), np.float32))
 
 
-def make_engine(tokenizer, name="fake", step=1, **over):
-    cfg = EngineConfig(model="fake", name=name, max_model_len=128, max_num_seqs=8,
+def make_engine(tokenizer, name="fake", step=1, max_model_len=128, **over):
+    cfg = EngineConfig(model="fake", name=name, max_model_len=max_model_len, max_num_seqs=8,
                        max_num_batched_tokens=32, **over)
     runners = []
 

@@ -67,13 +67,13 @@ def test_good_request_tokens_are_the_fake_sequence(served):
 
 BAD_REQUESTS = [  # (body, param, words the message must carry)
     ({"prompt": "hi", "temperature": -1}, "temperature", "temperature"),
-    ({"prompt": "hi", "n": 0}, "n", "n: must be in [1, 16]"),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"prompt": "hi", "n": 0}, "n", "n: Input should be greater than or equal to 1"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({"prompt": "hi", "top_p": 0}, "top_p", "top_p"),
-    ({"prompt": "hi", "logprobs": 21}, "logprobs", "[0, 20]"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs", "less than or equal to 20"),
     ({"prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
     ({"prompt": "hi", "best_of": 3}, "best_of", "best_of"),
-    ({"prompt": "hi", "stop": ["a"] * 17}, "stop", "at most 16"),
+    ({"prompt": "hi", "stop": ["a"] * 17}, "stop", "at most 16 items"),
     ({"prompt": "hi", "n": "many"}, "n", "integer"),
     ({"prompt": {"not": "a prompt"}}, "prompt", "prompt"),
     ({"max_tokens": 3}, "prompt", "Field required"),
@@ -99,7 +99,7 @@ def test_invalid_completion_requests_are_400(served, body, param, words):
 
 
 @pytest.mark.parametrize("body,param,words", [
-    ({"messages": []}, "messages", "empty"),
+    ({"messages": []}, "messages", "at least 1 item"),
     ({"messages": [{"content": "no role"}]}, "messages", "role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages", "messages.0.content"),
@@ -272,6 +272,21 @@ def test_openapi_comes_from_the_request_models(served):
     assert "ChatMessage" in schemas and "/v1/chat/completions" in doc["paths"]
     ref = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
     assert ref["schema"]["$ref"] == "#/components/schemas/CompletionRequest"
+
+
+def test_openapi_says_what_this_server_takes(served, tokenizer):
+    """The validation's bounds, the served model, its context and vocabulary, and the key."""
+    client, _, _ = served
+    doc = client.get("/openapi.json").json()
+    completion = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert (completion["n"]["minimum"], completion["n"]["maximum"]) == (1, 16)
+    assert completion["model"]["anyOf"] == [{"enum": ["fake"]}, {"type": "null"}]
+    assert {"type": "integer", "minimum": 1, "maximum": 127} in completion["max_tokens"]["anyOf"]
+    token_ids = completion["prompt"]["anyOf"][2]
+    assert token_ids["items"]["maximum"] == tokenizer.vocab_size - 1
+    assert token_ids["maxItems"] == 127
+    assert doc["security"] == [{"bearer": []}] and doc["paths"]["/health"]["get"]["security"] == []
+    assert "security" not in TestClient(build_app(Engines({}))).get("/openapi.json").json()
 
 
 def test_cache_salt_keeps_prefixes_apart(served):
