@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from models.config import FULL, SLIDING, ModelConfig, rope_scaling_from
 from models.llama import Llama, ParamSpec
+from ops.invariant import mean_square
 
 NORMS = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
 GGUF_SWA_PERIOD = 6          # llama.cpp's gemma3: every sixth layer is full
@@ -73,7 +74,7 @@ class Gemma3(Llama):
 
     def norm(self, x, w):
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
+        xf = xf * jax.lax.rsqrt(mean_square(xf) + self.cfg.rms_norm_eps)
         return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
     def qk_norm(self, q, k, p):

@@ -35,6 +35,7 @@ from ops.attention import (
     resolve_backend,
     write_kv,
 )
+from ops.invariant import mean_square
 from ops.quantization import (
     RARE,
     SCALE_DTYPE,
@@ -435,7 +436,8 @@ def _period(kinds: tuple) -> int:
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    # As in HF: normalise in float32, cast back, then scale.
+    # As in HF: normalise in float32, cast back, then scale. The mean in a fixed order: a
+    # row's norm must not depend on how many rows share the step (ops/invariant.py).
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(mean_square(xf) + eps)
     return weight * xf.astype(x.dtype)
