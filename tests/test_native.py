@@ -34,8 +34,10 @@ from ops.quantization import (
     unpack,
 )
 
-pytestmark = pytest.mark.skipif(not native.available(),
-                                reason=f"CPU kernels unavailable: {native.reason()}")
+# The kernel's own tests; the fallback's (test_without_a_compiler_xla_runs_instead) run on
+# every machine, those that cannot build the kernel above all.
+needs_kernels = pytest.mark.skipif(not native.available(),
+                                   reason=f"CPU kernels unavailable: {native.reason()}")
 
 T = gguf.GGMLQuantizationType
 
@@ -72,6 +74,7 @@ CASES = [(fmt, packed, rows, cols)
          if not (fmt == "int4 group 128" and cols % 128)]
 
 
+@needs_kernels
 @pytest.mark.parametrize("fmt,packed,rows,cols", CASES,
                          ids=[f"{r}-{c}-{f}{' packed' if p else ''}" for f, p, r, c in CASES])
 def test_kernel_matches_xla(fmt, packed, rows, cols):
@@ -98,6 +101,7 @@ def test_kernel_matches_xla(fmt, packed, rows, cols):
             np.testing.assert_allclose(alone, want, rtol=0, atol=2e-6 * scale)
 
 
+@needs_kernels
 def test_one_call_multiplies_the_same_rows_by_several_matrices():
     """q, k and v (or gate and up) in one call: each product as the kernel gives it alone,
     for matrices of different formats and heights (their chunks of rows interleave over the
@@ -120,6 +124,7 @@ def test_one_call_multiplies_the_same_rows_by_several_matrices():
         native_linears(x, [stacked(mats[0], 0), stacked(mats[1], 1)])
 
 
+@needs_kernels
 def test_what_the_kernel_refuses_goes_to_xla():
     stack = _stack(FORMATS["Q4_1"], 64, 256)
     rng = np.random.default_rng(2)
@@ -133,6 +138,7 @@ def test_what_the_kernel_refuses_goes_to_xla():
         np.asarray(linear(many, one)), rtol=1e-6, atol=1e-5)
 
 
+@needs_kernels
 def test_kernel_rejects_a_layer_outside_the_stack():
     stack = _stack(FORMATS["int4 group 32"], 32, 64, layers=2)
     x = jnp.ones((1, 64), jnp.float32)
@@ -152,7 +158,9 @@ def test_without_a_compiler_xla_runs_instead(tmp_path):
         "w = quantize(np.ones((32, 64), np.float32), scheme_format('int4'))\n"
         "y = linear(jnp.ones((1, 64), jnp.float32), jax.tree.map(jnp.asarray, w), native=True)\n"
         "assert np.allclose(np.asarray(y), 64.0, rtol=1e-3), y\n")
-    for env in ({"CXX": "false"}, {"XLASERVE_NATIVE_KERNELS": "0"}):
+    # The compiler case turns the kernels on, should this run have them off.
+    for env in ({"CXX": "false", "XLASERVE_NATIVE_KERNELS": "1"},
+                {"XLASERVE_NATIVE_KERNELS": "0"}):
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               env={**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env},
                               cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -161,6 +169,7 @@ def test_without_a_compiler_xla_runs_instead(tmp_path):
                 else "XLASERVE_NATIVE_KERNELS=0") in done.stdout
 
 
+@needs_kernels
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_models_decode_alike_with_and_without_the_kernel(family, tmp_path):
     """Greedy tokens equal and logits within float error, kernel on and off, for a stacked
