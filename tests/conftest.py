@@ -37,6 +37,26 @@ def tokenizer(default_gguf):
     return Tokenizer.from_path(default_gguf)
 
 
+@pytest.fixture(scope="session")
+def default_decoder(default_gguf):
+    """One device's greedy decoding of the default model (float32 weights, the reference
+    attention): what the multi-host and tensor-parallel runs must equal. Shared, so its
+    steps compile once per prompt length in a session."""
+    from models.generate import GreedyDecoder
+    from models.loader import load_model
+
+    return GreedyDecoder(load_model(default_gguf, dtype="float32"), max_len=256)
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer(gemma3_gguf):
+    """Gemma 3's tokenizer with the registry's built-in gemma chat template (its file has
+    none); building its 262,144-piece vocabulary takes seconds, so once a session."""
+    from models.tokenizer import Tokenizer
+
+    return Tokenizer.for_model(gemma3_gguf)
+
+
 SERVER_KEY = "sk-xlaserve-test"
 # The live server's limits (the in-process engine of the parity test uses the same).
 SERVER_LIMITS = {"max_model_len": 512, "max_num_seqs": 16, "max_num_batched_tokens": 64}

@@ -11,10 +11,6 @@ import json
 import httpx
 from servers import free_port, running_server, server_command, spawn, stop
 
-from models.generate import GreedyDecoder
-from models.loader import load_model
-from models.tokenizer import Tokenizer
-
 PROMPT_TEXTS = ["The capital of France is", "def fibonacci(n):"]
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -23,14 +19,14 @@ def _devices(n: int) -> dict:  # not the 8 fake devices of the in-process tests
     return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
 
 
-def test_two_processes_serve_one_model(default_gguf, tmp_path):
-    tokenizer = Tokenizer.from_path(default_gguf)
+def test_two_processes_serve_one_model(default_gguf, tokenizer, default_decoder, tmp_path):
     prompts = [tokenizer.encode(p) for p in PROMPT_TEXTS]
-    decoder = GreedyDecoder(load_model(default_gguf, dtype="float32"), max_len=256)
-    single_process = [decoder.generate(p, 16)[0] for p in prompts]
+    single_process = [default_decoder.generate(p, 16)[0] for p in prompts]
     coordinator = f"127.0.0.1:{free_port(consecutive=2)}"  # PORT and the step channel PORT+1
+    # One request at a time: each process compiles one sequence's executables (a multi-process
+    # run has no executable store) and nothing more.
     common = ["--model", str(default_gguf), "--dtype", "float32", "--max-model-len", "256",
-              "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--num-pages", "64",
+              "--max-num-seqs", "1", "--max-num-batched-tokens", "16", "--num-pages", "64",
               "--coordinator-address", coordinator, "--num-processes", "2"]
     follower = spawn(server_command(*common, "--process-id", "1"), tmp_path / "follower.log",
                      _devices(1))

@@ -43,8 +43,8 @@ def _prompt_texts() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def ours(gemma3_gguf):
-    return Tokenizer.for_model(gemma3_gguf)  # the registry gives Gemma 3 the gemma template
+def ours(gemma3_tokenizer):
+    return gemma3_tokenizer  # the registry gives Gemma 3 the gemma template
 
 
 @pytest.fixture(scope="module")
