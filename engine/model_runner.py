@@ -61,6 +61,13 @@ from ops.sampling import NUM_TOP_LOGPROBS, SamplingMetadata, count_sampled, rese
 
 logger = logging.getLogger(__name__)
 
+# XLA:CPU's fusion emitters choose a fused loop's code by the whole array's shape, so a row's
+# values changed with what shared its step (a seeded request sampled other tokens beside
+# other requests); its loop emitters compute every row alike. With them, and with our kernels
+# and norms reducing each row in a fixed order, a row's logits are the same bits in any
+# batch (docs/architecture.md, "Batch-invariant rows").
+CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+
 
 # Compilations are counted per runner: XLA reports each backend compile synchronously
 # in the compiling thread, and a warm runner marks its thread while it runs a step.
@@ -350,7 +357,8 @@ class ModelRunner:
                     "penalties": everywhere}[kind]
             step = jax.jit(fn, donate_argnums=donate, out_shardings=outs)
             abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=everywhere)
-        return step.lower(*device_args, *jax.tree.map(abstract, host_args)).compile()
+        options = CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+        return step.lower(*device_args, *jax.tree.map(abstract, host_args)).compile(options)
 
     def warmup(self, progress=None) -> float:
         """Compile every executable of the table (two at a time: XLA's compiler is largely

@@ -16,20 +16,20 @@ round their scales to it before quantizing, as llama.cpp does).
 
 How the matmul runs is chosen per static shape, from measurements on XLA:CPU (2-core Sapphire
 Rapids, the default model's matrices; docs/performance.md):
-- up to NATIVE_MAX_ROWS rows of float32 on one CPU device: xlaserve's own kernel
-  (ops/native/qmatmul.cc, an XLA FFI custom call built on first use). It converts each
-  group's values to float in registers and multiplies in float32, or for a lone row of 4-bit
-  values runs exact integer dot products with the row at float32's precision per block
-  (weight-only: no activation quantization), and splits the output rows over XLA's
-  intra-op threads. XLA's own one-row
-  product runs on one thread, and at 2-8 rows XLA materializes the dequantized matrix
-  before its dot (30 layers at 2 rows: 8.4 ms against 33.4). A model whose matmuls run
-  there (`runs_native`) holds its 4-bit matrices packed two values a byte in llama.cpp's
-  Q4 block layout (`pack`): half the memory, and half the bytes a lone decode reads (the
-  default model's 30 layers and head at one row: 9.6-11.3 ms against 12.0-12.7 one value
-  per int8; its weights fit this machine's L3, a larger model's would not). Above the
-  kernel's rows XLA reads them too (`_packed_linear`), ~10% slower than one value per
-  int8. A layer of a stacked matrix reaches the kernel as the whole stack and an index
+- float32 rows on one CPU device, any number of them: xlaserve's own kernel
+  (ops/native/qmatmul.cc, an XLA FFI custom call built on first use). It converts 8-bit
+  values to float in registers and multiplies in float32; 4-bit values run as exact integer
+  dot products with each block of 32 inputs of a row held as 24-bit integers, float32's
+  precision at the block's largest value (weight-only: no 8-bit activation quantization); the output rows are split over XLA's intra-op threads.
+  Each row's result is the same sequence of operations whatever the other rows are, so a
+  row's numbers do not depend on its batch (XLA's dot gives no such promise). XLA's own
+  one-row product runs on one thread, and at 2-8 rows XLA materializes the dequantized
+  matrix before its dot (30 layers at 2 rows: 8.4 ms against 33.4). A model whose matmuls
+  run there (`runs_native`) holds its 4-bit matrices packed two values a byte in
+  llama.cpp's Q4 block layout (`pack`): half the memory, and half the bytes a lone decode
+  reads (the default model's 30 layers and head at one row: 9.6-11.3 ms against 12.0-12.7
+  one value per int8; its weights fit this machine's L3, a larger model's would not). A
+  layer of a stacked matrix reaches the kernel as the whole stack and an index
   (`stacked`): XLA copies a slice before a custom call reads it;
 - elsewhere, one row: the dequantization written as an elementwise function of [O, I]
   fuses into XLA's matrix-vector product, which then reads int8 instead of float32 (the
@@ -86,7 +86,6 @@ RARE = "_rare"
 CHUNK_BYTES = 4 << 20  # the largest dequantized block at more than one row (measured: 0.25-16 MiB)
 SCALE_DTYPE = np.float16
 W8A8_MIN_ROWS = 2  # an int8 x int8 product of one row runs padded to this many
-NATIVE_MAX_ROWS = 8  # the most rows ops/native's kernel takes (more go to XLA's dot)
 NATIVE_MAX_MATRICES = 4  # the most matrices one call of it multiplies the same rows by
 
 
@@ -336,12 +335,12 @@ def packed_formats(quant: dict) -> dict:
 
 
 def native_fits(x: jax.Array, w) -> bool:
-    """Whether ops/native's kernel takes this product: float32 rows, at most
-    NATIVE_MAX_ROWS of them, and a matrix of one-per-int8 values with float16 scales per
+    """Whether ops/native's kernel takes this product: float32 rows (any number), and a
+    matrix of one-per-int8 values with float16 scales per
     group of a multiple of 16 inputs (every format of SCHEMES but w8a8's, and GGUF's), or
     of packed values with groups of 32 times a power of two."""
     if (not isinstance(w, dict) or x.dtype != jnp.float32 or x.ndim != 2
-            or not 0 < x.shape[0] <= NATIVE_MAX_ROWS):
+            or x.shape[0] < 1):
         return False
     q, scale = w["q"], w["scale"]
     packed = q.dtype == jnp.uint8

@@ -5,6 +5,8 @@ a jitted scan over layers, and what it refuses."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,10 +74,19 @@ def test_a_few_rows_take_every_kv_head_in_one_item(num_kv_heads, group):
 
 @pytest.mark.parametrize("kv_len, window, cap", [(600, None, None), (1000, 100, None),
                                                  (130, None, 5.0), (129, 16, None)])
-def test_a_lone_long_decode_is_split_by_keys_over_the_threads(kv_len, window, cap):
-    """Fewer work items than XLA's threads: a decode of 64 keys or more is cut into parts by
-    keys, one a thread, whose softmax states are combined after (with a window, some parts
-    see no key at all)."""
+def test_a_rows_output_does_not_depend_on_the_other_sequences(kv_len, window, cap):
+    """A long decode alone in its step (fewer work items than XLA's threads) and the same
+    decode beside a prefill chunk and another decode: the same bits (batch-invariant rows:
+    a seeded request samples alike alone or under load), and both right."""
+    case = _case([(1, kv_len), (20, 40), (1, 20), (0, 0)])
+    md = case.md
+    lone = Case(case.q, case.cache, dataclasses.replace(
+        md, query_start_loc=md.query_start_loc[:2], kv_lens=md.kv_lens[:1],
+        page_tables=md.page_tables[:1]), [(1, kv_len), (0, 0)])
+    kw = dict(sm_scale=case.q.shape[-1] ** -0.5, sliding_window=window, soft_cap=cap)
+    alone = np.asarray(kernel(lone.q, lone.cache, LAYER, lone.md, **kw))
+    beside = np.asarray(kernel(case.q, case.cache, LAYER, case.md, **kw))
+    assert alone[0].tobytes() == beside[0].tobytes()
     check_kernel(kernel, _case([(1, kv_len), (0, 0)]), sliding_window=window, soft_cap=cap)
 
 

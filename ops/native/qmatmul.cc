@@ -17,12 +17,13 @@
 //
 // Why a kernel of our own: XLA:CPU runs a one-row product with the dequantization fused
 // as a loop on one thread, and at 2-8 rows materializes the dequantized matrix before
-// the dot. Here each group's values become float weights in registers (int8 by conversion,
-// 4-bit ones by a lane permutation of the group's 16 possible weights) and are multiplied
-// with x in float32, for up to 4 rows at once; a lone row times 4-bit values runs as exact
-// integer dot products instead (`PackedRow`: x in 24-bit integers per block of 32, VNNI).
-// Neither quantizes activations the way llama.cpp does (8 bits): the result is the float
-// product up to summation order and float32-sized rounding. Rows are read ahead with
+// the dot; and its dot's summation order for a row changes with the number of rows. Here
+// 8-bit values become float weights in registers and are multiplied with x in float32, and
+// 4-bit values run as exact integer dot products with x in 24-bit integers per block of 32
+// (`Prepare`, `PackedTile`, VNNI), up to 4 rows at once. For any number of rows, each
+// output is the same operations in the same order, so a row's result never depends on the
+// other rows of its step. Neither quantizes activations the way llama.cpp does (8 bits).
+// Rows are read ahead with
 // software prefetches (a token's weights come from memory), and the output rows are split
 // over XLA's intra-op thread pool, whose threads read memory in parallel.
 #include <immintrin.h>
@@ -79,7 +80,7 @@ struct Problem {
   const uint16_t* scale;  // [O, G] float16 bits
   const uint16_t* minimum;  // [O, G] or null
   const float* xsum;      // [T, G]: each group's sum of x (one value per int8 with minimums)
-  const Prepared* prep;   // packed: the lone row (when T % 4 == 1) as integer digits
+  const Prepared* prep;   // packed: x's rows as integer digits
   float* y;               // [T, O]
   int64_t T, I, O, G;
   int shift;              // packed: log2 of the blocks of 32 per scale group
@@ -102,128 +103,84 @@ inline const uint8_t* PackedRowStart(const Problem& p, int64_t o, float* sc, flo
   return qo;
 }
 
-// The 32 weights of one packed block of 4-bit values (16 bytes, llama.cpp's Q4 layout: byte
-// j holds value j in its low nibble, value j + 16 in its high one) as two vectors, when the
-// group's 16 possible weights, scale * k + minimum, are the lanes of `table`: each nibble
-// becomes its weight by a lane permutation, which reads only an index's low 4 bits (no
-// masking, no int-to-float conversion: the port those use is the one the multiplies need).
-inline void PackedWeights(const uint8_t* b, __m512 table, __m512* lo, __m512* hi) {
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
-  *lo = _mm512_permutexvar_ps(v, table);
-  *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-}
-
-// Output rows [r0, r1) for N rows of x starting at row t0, from packed 4-bit values. Blocks
-// go two a trip into four accumulators per row (independent chains: the multiplies' latency
-// is hidden), held in registers; each scale group's table is made once for the N rows.
-template <int N>
-void PackedTile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
-  const int64_t I = p.I, B = I / 32;  // blocks of 32 per output row
-  const int shift = p.shift;  // block b's group is b >> shift (a division cost more than a block)
-  const float* x = p.x + t0 * I;
-  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  alignas(64) float sc[kMaxGroups], mn[kMaxGroups];
-  for (int64_t o = r0; o < r1; ++o) {
-    const uint8_t* qo = PackedRowStart(p, o, sc, mn);
-    auto table = [&](int64_t b) {
-      const int64_t g = b >> shift;
-      return _mm512_fmadd_ps(levels, _mm512_set1_ps(sc[g]), _mm512_set1_ps(mn[g]));
-    };
-    __m512 acc[N][4];
-    for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 1 < B; b += 2) {
-      __m512 w[4];
-      PackedWeights(qo + b * 16, table(b), &w[0], &w[1]);
-      PackedWeights(qo + b * 16 + 16, table(b + 1), &w[2], &w[3]);
-      for (int t = 0; t < N; ++t) {
-        const float* xt = x + t * I + b * 32;
-        for (int k = 0; k < 4; ++k)
-          acc[t][k] = _mm512_fmadd_ps(w[k], _mm512_loadu_ps(xt + 16 * k), acc[t][k]);
-      }
-    }
-    if (b < B) {
-      __m512 w[2];
-      PackedWeights(qo + b * 16, table(b), &w[0], &w[1]);
-      for (int t = 0; t < N; ++t)
-        for (int k = 0; k < 2; ++k)
-          acc[t][k] = _mm512_fmadd_ps(w[k], _mm512_loadu_ps(x + t * I + b * 32 + 16 * k), acc[t][k]);
-    }
-    for (int t = 0; t < N; ++t)
-      p.y[(t0 + t) * p.O + o] = _mm512_reduce_add_ps(_mm512_add_ps(
-          _mm512_add_ps(acc[t][0], acc[t][1]), _mm512_add_ps(acc[t][2], acc[t][3])));
-  }
-}
-
-// A lone row of x as `PackedRow` reads it (`Prepare`, once a call, shared by its matrices). Each
-// block of 32 inputs is held as 24-bit integers, round(x / s) with s = its largest |x| / (2^23 - 1)
-// (float32's precision at the block's largest value), split into three bytes, a signed high one
-// and two unsigned ones (x = s * (65536 * high + 256 * middle + low)), so that the products with
-// 4-bit values run as integer dot products (AVX-512 VNNI: 64 byte pairs an instruction), exact.
-// The bytes are laid out as a packed block's nibbles are: per quad of 4 blocks, 64 bytes for
-// the values at the low nibbles' places (each block's inputs 0-15), 64 for those at the high
-// ones' (16-31); high bytes first, then middle, then low.
+// x's rows as the packed kernel reads them (`Prepare`, once a call, shared by its matrices).
+// Each block of 32 inputs of a row is held as 24-bit integers, round(x / s) with s = the
+// block's largest |x| / (2^23 - 1) (float32's precision at the block's largest value), split
+// into three bytes, a signed high one and two unsigned ones (x = s * (65536 * high + 256 *
+// middle + low)), so that the products with 4-bit values run as integer dot products
+// (AVX-512 VNNI: 64 byte pairs an instruction), exact. The bytes are laid out as a packed
+// block's nibbles are: per quad of 4 blocks, 64 bytes for the values at the low nibbles'
+// places (each block's inputs 0-15), 64 for those at the high ones' (16-31); high bytes
+// first, then middle, then low.
+//
+// Why integers for every row count: each output is then the same operations, in the same
+// order, for a row whatever else the call holds (a lone decode, 64 of them, a prompt's
+// chunk), so a seeded request samples the same tokens alone or under load. (Sixteen bits,
+// two dot products fewer, made the default model's logits differ from the float product
+// by 4 parts in 10,000 of their range; 24 bits keep float32's own error.)
 constexpr int kDigits = 3;
 
 struct Prepared {
-  int64_t Q = 0, Bp = 0;          // quads of blocks in the row; blocks rounded up to 16
-  std::vector<__m512i> digits;    // [Q, 2 * kDigits]
-  std::vector<__m512> scale;      // [Q]: lanes 4k .. 4k + 3 hold block k's s
-  std::vector<float> sums;        // [Bp]: each block's sum of x as rounded (for the minimums)
+  int64_t Q = 0, Bp = 0;          // quads of blocks in a row; blocks rounded up to 16
+  std::vector<__m512i> digits;    // [T, Q, 2 * kDigits]
+  std::vector<__m512> scale;      // [T, Q]: lanes 4k .. 4k + 3 hold block k's s
+  std::vector<float> sums;        // [T, Bp]: each block's sum of x as rounded (for the minimums)
 };
 
-void Prepare(const float* x, int64_t I, Prepared* out) {
+void Prepare(const float* x, int64_t T, int64_t I, Prepared* out) {
   const int64_t B = I / 32, Q = (B + 3) / 4, Bp = (B + 15) / 16 * 16;
   const float top = 8388607.0f;  // 2^23 - 1
   const __m512i lim = _mm512_set1_epi32(8388607), neg = _mm512_set1_epi32(-8388607);
   out->Q = Q;
   out->Bp = Bp;
-  out->digits.assign(Q * 2 * kDigits, _mm512_setzero_si512());
-  out->scale.assign(Q, _mm512_setzero_ps());
-  out->sums.assign(Bp, 0.0f);
-  for (int64_t b = 0; b < B; ++b) {
-    const float* xb = x + b * 32;
-    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-    const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    const float s = m / top;
-    const __m512 inv = _mm512_set1_ps(m > 0 ? top / m : 0.0f);
-    // Rounded to nearest (the default rounding mode), and clamped: the largest |x| times
-    // inv can round up to 2^23, which the high byte cannot hold.
-    const __m512i i0 = _mm512_max_epi32(
-        neg, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
-    const __m512i i1 = _mm512_max_epi32(
-        neg, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
-    // The minimums multiply the sum of x as the dots see it: the rounding then errs by
-    // sum(w * dx), as a float product would, not by sum(q * scale * dx).
-    out->sums[b] = s * static_cast<float>(
-        _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
-    const int64_t qd = b / 4, k = b % 4;
-    char* d = reinterpret_cast<char*>(&out->digits[qd * 2 * kDigits]) + 16 * k;
-    for (int j = 0; j < kDigits; ++j) {  // the high byte first (vpmovdb keeps low bits)
-      const int bits = 8 * (kDigits - 1 - j);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 128 * j),
-                       _mm512_cvtepi32_epi8(_mm512_srai_epi32(i0, bits)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 128 * j + 64),
-                       _mm512_cvtepi32_epi8(_mm512_srai_epi32(i1, bits)));
+  out->digits.assign(T * Q * 2 * kDigits, _mm512_setzero_si512());
+  out->scale.assign(T * Q, _mm512_setzero_ps());
+  out->sums.assign(T * Bp, 0.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + t * I + b * 32;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float s = m / top;
+      const __m512 inv = _mm512_set1_ps(m > 0 ? top / m : 0.0f);
+      // Rounded to nearest (the default rounding mode), and clamped: the largest |x| times
+      // inv can round up to 2^23, which the high byte cannot hold.
+      const __m512i i0 = _mm512_max_epi32(
+          neg, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+      const __m512i i1 = _mm512_max_epi32(
+          neg, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+      // The minimums multiply the sum of x as the dots see it: the rounding then errs by
+      // sum(w * dx), as a float product would, not by sum(q * scale * dx).
+      out->sums[t * Bp + b] = s * static_cast<float>(
+          _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
+      const int64_t qd = b / 4, k = b % 4;
+      char* d = reinterpret_cast<char*>(&out->digits[(t * Q + qd) * 2 * kDigits]) + 16 * k;
+      for (int j = 0; j < kDigits; ++j) {  // the high byte first (vpmovdb keeps low bits)
+        const int bits = 8 * (kDigits - 1 - j);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 128 * j),
+                         _mm512_cvtepi32_epi8(_mm512_srai_epi32(i0, bits)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 128 * j + 64),
+                         _mm512_cvtepi32_epi8(_mm512_srai_epi32(i1, bits)));
+      }
+      float* sc = reinterpret_cast<float*>(&out->scale[t * Q + qd]) + 4 * k;
+      sc[0] = sc[1] = sc[2] = sc[3] = s;
     }
-    float* sc = reinterpret_cast<float*>(&out->scale[qd]) + 4 * k;
-    sc[0] = sc[1] = sc[2] = sc[3] = s;
   }
 }
 
-// Output rows [r0, r1) for the lone row of x that `p.prep` holds (row t), from packed 4-bit
-// values. A quad of blocks is one 64-byte load; its nibbles (0-15) times x's three bytes are six
-// VNNI dot products into 32-bit lanes (4 inputs of one block each), an exact integer sum, then a
-// float times the block's weight scale and x's; each block's minimum times its sum of x is
-// added at the end. For one row this runs fewer instructions than `PackedTile<1>`, which turns
-// each weight into a float (the default model's lone decode: ~0.7 ms a step less on a 2-vCPU
-// Zen 4, docs/performance.md); from 2 rows on, that float weight serves every row and
-// `PackedTile` is faster. The result differs from the float product only by x's rounding
-// to 24 bits per block, as float32's own at the block's largest value.
-void PackedRow(const Problem& p, int64_t t, int64_t r0, int64_t r1) {
+// Output rows [r0, r1) for N rows of x starting at row t0 (as `p.prep` holds them), from packed
+// 4-bit values. A quad of blocks is one 64-byte load, its nibbles (0-15) split once for the N
+// rows; times each row's three bytes they are six VNNI dot products into 32-bit lanes (8
+// inputs of one block each), an exact integer sum, then a float times the block's weight scale
+// and x's; each block's minimum times its sum of x is added at the end. Every row's output is
+// the same sequence of operations whatever N is (see `Prepare`). The result differs from the
+// float product only by x's rounding to 24 bits per block, as float32's own at the block's
+// largest value.
+template <int N>
+void PackedTile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
   const Prepared& x = *p.prep;
   const int64_t G = p.G, B = p.I / 32, Q = x.Q, Bp = x.Bp;
-  const int shift = p.shift;
+  const int shift = p.shift;  // block b's group is b >> shift
   const __m512i nibble = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
   const __m512i by_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const __mmask64 last = B % 4 ? (1ULL << (16 * (B % 4))) - 1 : ~0ULL;  // the last quad's bytes
@@ -233,12 +190,15 @@ void PackedRow(const Problem& p, int64_t t, int64_t r0, int64_t r1) {
   for (int64_t b = B; b < Bp; ++b) bs[b] = bm[b] = 0.0f;  // and [0, B) of these
   const float* block_scale = shift ? bs : sc;
   const float* block_min = shift ? bm : mn;
+  const __m512i* digits = &x.digits[t0 * Q * 2 * kDigits];
+  const __m512* xscale = &x.scale[t0 * Q];
   for (int64_t o = r0; o < r1; ++o) {
     const uint8_t* qo = PackedRowStart(p, o, sc, mn);
     if (shift) {
       for (int64_t b = 0; b < B; ++b) bs[b] = sc[b >> shift], bm[b] = mn[b >> shift];
     }
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[N];
+    for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t qd = 0; qd < Q; ++qd) {
       const __m512i v = qd + 1 < Q ? _mm512_loadu_si512(qo + 64 * qd)
                                    : _mm512_maskz_loadu_epi8(last, qo + 64 * qd);
@@ -246,22 +206,27 @@ void PackedRow(const Problem& p, int64_t t, int64_t r0, int64_t r1) {
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       const __m512 ws = _mm512_permutexvar_ps(
           by_block, _mm512_castps128_ps512(_mm_load_ps(block_scale + 4 * qd)));
-      // Per 32-bit lane: |high| <= 8 * 15 * 128, so 65536 * high + 256 * middle + low, exact,
-      // stays below 2^31.
-      const __m512i* d = &x.digits[qd * 2 * kDigits];
-      __m512i high = _mm512_dpbusd_epi32(zero, lo, d[0]);  // nibbles unsigned, bytes signed
-      high = _mm512_dpbusd_epi32(high, hi, d[1]);
-      __m512i middle = _mm512_dpbusd_epi32(zero, d[2], lo);  // bytes unsigned, nibbles signed
-      middle = _mm512_dpbusd_epi32(middle, d[3], hi);
-      __m512i low = _mm512_dpbusd_epi32(zero, d[4], lo);
-      low = _mm512_dpbusd_epi32(low, d[5], hi);
-      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(
-          _mm512_add_epi32(_mm512_slli_epi32(high, 16), _mm512_slli_epi32(middle, 8)), low));
-      acc = _mm512_fmadd_ps(sum, _mm512_mul_ps(ws, x.scale[qd]), acc);
+      for (int t = 0; t < N; ++t) {
+        // Per 32-bit lane: |high| <= 8 * 15 * 128, so 65536 * high + 256 * middle + low, exact,
+        // stays below 2^31.
+        const __m512i* d = digits + (t * Q + qd) * 2 * kDigits;
+        __m512i high = _mm512_dpbusd_epi32(zero, lo, d[0]);  // nibbles unsigned, bytes signed
+        high = _mm512_dpbusd_epi32(high, hi, d[1]);
+        __m512i middle = _mm512_dpbusd_epi32(zero, d[2], lo);  // bytes unsigned, nibbles signed
+        middle = _mm512_dpbusd_epi32(middle, d[3], hi);
+        __m512i low = _mm512_dpbusd_epi32(zero, d[4], lo);
+        low = _mm512_dpbusd_epi32(low, d[5], hi);
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(
+            _mm512_add_epi32(_mm512_slli_epi32(high, 16), _mm512_slli_epi32(middle, 8)), low));
+        acc[t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(ws, xscale[t * Q + qd]), acc[t]);
+      }
     }
-    for (int64_t b = 0; b < Bp; b += 16)
-      acc = _mm512_fmadd_ps(_mm512_load_ps(block_min + b), _mm512_loadu_ps(&x.sums[b]), acc);
-    p.y[t * p.O + o] = _mm512_reduce_add_ps(acc);
+    for (int t = 0; t < N; ++t) {
+      const float* sums = &x.sums[(t0 + t) * Bp];
+      for (int64_t b = 0; b < Bp; b += 16)
+        acc[t] = _mm512_fmadd_ps(_mm512_load_ps(block_min + b), _mm512_loadu_ps(sums + b), acc[t]);
+      p.y[(t0 + t) * p.O + o] = _mm512_reduce_add_ps(acc[t]);
+    }
   }
 }
 
@@ -348,7 +313,7 @@ void Rows(const Problem& p, int64_t r0, int64_t r1) {
       case 2: Tile<2>(p, t, r0, r1); break;
       case 3: Tile<3>(p, t, r0, r1); break;
       case 4: Tile<4>(p, t, r0, r1); break;
-      case 5: PackedRow(p, t, r0, r1); break;
+      case 5: PackedTile<1>(p, t, r0, r1); break;
       case 6: PackedTile<2>(p, t, r0, r1); break;
       case 7: PackedTile<3>(p, t, r0, r1); break;
       default: PackedTile<4>(p, t, r0, r1); break;
@@ -369,7 +334,7 @@ struct Work {
   int64_t first_chunk[kMaxMatrices + 1];  // matrix m's chunks are [first_chunk[m], first_chunk[m + 1])
   int64_t n = 0;
   std::vector<float> xsum[kMaxMatrices];
-  Prepared prep;  // the last row's digits, when it has a tile of its own and a matrix is packed
+  Prepared prep;  // x's rows as integer digits, when a matrix is packed
   std::atomic<int64_t> next{0}, done{0};
   void Run() {
     const int64_t num_chunks = first_chunk[n];
@@ -459,8 +424,8 @@ ffi::Error QMatmul(ffi::ThreadPool pool, Rows2 x, Index layer, ffi::RemainingArg
   }
   if (T == 0) return ffi::Error::Success();
   for (int64_t m = 0; m < n; ++m) {
-    if (work->p[m].packed && T % 4 == 1) {  // Rows gives the last row a tile of its own
-      Prepare(x.typed_data() + (T - 1) * I, I, &work->prep);
+    if (work->p[m].packed) {
+      Prepare(x.typed_data(), T, I, &work->prep);
       break;
     }
   }
