@@ -113,7 +113,7 @@ def build_engine(args) -> LLMEngine:
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, attention_backend=args.attention_backend,
                   tensor_parallel_size=args.tensor_parallel_size,
-                  async_scheduling=args.async_scheduling)
+                  async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant)
     if args.random_weights:
         from models.loader import resolve_dtype
         from models.presets import preset_config
@@ -349,6 +349,8 @@ def main(argv=None) -> int:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="overlap each step with the host work of the one before (default: on)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="rows computed alike in any batch (EngineConfig.batch_invariant)")
     p.add_argument("--simulate-device-ms", type=float, default=None,
                    help="measure the host path alone against a simulated device whose step "
                         "takes this long (no model runs)")

@@ -73,6 +73,11 @@ class EngineConfig:
     # bookkeeping; outputs are the same). On everywhere: on the 2-core CPU too, since the
     # CPU kernels (docs/performance.md).
     async_scheduling: bool = True
+    # A row's numbers the same bits whatever shares its step, so a seeded request samples the
+    # same tokens alone or under load (docs/architecture.md, "Batch-invariant rows"). Off by
+    # default: on the 2-core CPU it cost ~40% of the throughput at 64 streams and ~70% of the
+    # time to first token at one (docs/performance.md).
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",

@@ -61,12 +61,12 @@ from ops.sampling import NUM_TOP_LOGPROBS, SamplingMetadata, count_sampled, rese
 
 logger = logging.getLogger(__name__)
 
-# XLA:CPU's fusion emitters choose a fused loop's code by the whole array's shape, so a row's
-# values changed with what shared its step (a seeded request sampled other tokens beside
-# other requests); its loop emitters compute every row alike. With them, and with our kernels
-# and norms reducing each row in a fixed order, a row's logits are the same bits in any
-# batch (docs/architecture.md, "Batch-invariant rows").
-CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+# Under --batch-invariant on CPU: XLA:CPU's fusion emitters choose a fused loop's code by the
+# whole array's shape, so a row's values changed with what shared its step (a seeded request
+# sampled other tokens beside other requests); its loop emitters compute every row alike.
+# With them, and with our kernels and norms reducing each row in a fixed order, a row's
+# logits are the same bits in any batch (docs/architecture.md, "Batch-invariant rows").
+BATCH_INVARIANT_CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 
 # Compilations are counted per runner: XLA reports each backend compile synchronously
@@ -154,6 +154,7 @@ class ModelRunner:
         self.model_config = model.cfg  # with a mesh: KV heads repeated up to its size if fewer
         self.dtype = model.dtype
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
+        model.batch_invariant = config.batch_invariant
         self.graphdef, self.state = nnx.split(model)
         # Steps take the parameters as a flat list: a list flattens in the dispatcher's C++,
         # an nnx.State through Python callbacks, per leaf, at every call.
@@ -357,7 +358,8 @@ class ModelRunner:
                     "penalties": everywhere}[kind]
             step = jax.jit(fn, donate_argnums=donate, out_shardings=outs)
             abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=everywhere)
-        options = CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+        options = (BATCH_INVARIANT_CPU_OPTIONS
+                   if cfg.batch_invariant and jax.default_backend() == "cpu" else None)
         return step.lower(*device_args, *jax.tree.map(abstract, host_args)).compile(options)
 
     def warmup(self, progress=None) -> float:

@@ -239,6 +239,11 @@ class Llama(nnx.Module):
         # (12 s scanned). Off until measured whole (docs/performance.md).
         self.unroll_layers = (os.environ.get("XLASERVE_UNROLL_LAYERS", "0") == "1"
                               and not self.native_matmuls)
+        # --batch-invariant: our CPU kernels at every row count, and attention that never cuts
+        # a lone decode over the threads, so a row's numbers do not depend on its batch
+        # (docs/architecture.md, "Batch-invariant rows"). Set by the engine before it splits
+        # the model.
+        self.batch_invariant = False
         params = {name: nnx.Param(_init(spec, rngs.params(), dtype))
                   for name, spec in self.param_specs(cfg, quant).items()}
         self.top_names = tuple(n for n in params if not n.startswith("layers."))
@@ -357,7 +362,7 @@ class Llama(nnx.Module):
         cache = write_kv(cache, idx, k, v, step.md.slot_mapping, mesh=self.mesh)
         attn = ragged_paged_attention(
             q, cache, idx, step.md, sm_scale=cfg.sm_scale, sliding_window=kind.window,
-            backend=self.attention_backend, mesh=self.mesh)
+            backend=self.attention_backend, mesh=self.mesh, batch_invariant=self.batch_invariant)
         return self.project(attn.reshape(T, H * D), p, "wo"), cache
 
     def mlp(self, h, p):
@@ -385,7 +390,7 @@ class Llama(nnx.Module):
     def _matmul_options(self) -> dict:
         """How this model's matmuls run (ops.quantization.linear's keyword arguments)."""
         return dict(chunked=self.mesh is None, int8_activations=self.int8_activations,
-                    native=self.native_matmuls)
+                    native=self.native_matmuls, any_rows=self.batch_invariant)
 
     # ---- the head ----------------------------------------------------------------------
 

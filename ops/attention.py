@@ -519,11 +519,16 @@ def resolve_backend(backend: str, device=None) -> str:
 
 
 def ragged_paged_attention(q, cache, layer, md, *, sm_scale, sliding_window=None,
-                           soft_cap=None, backend: str = "reference", mesh=None):
+                           soft_cap=None, backend: str = "reference", mesh=None,
+                           batch_invariant: bool = False):
     """The one attention op the model calls; `backend` picks the implementation. Under a
     tensor-parallel `mesh` it runs per shard (Pallas kernels are not partitioned by XLA):
-    each device attends its own query heads over its own KV heads."""
-    impl = functools.partial(_BACKENDS[resolve_backend(backend)], sm_scale=sm_scale,
-                             sliding_window=sliding_window, soft_cap=soft_cap)
+    each device attends its own query heads over its own KV heads. `batch_invariant`: our
+    CPU kernel never cuts a lone decode by keys, so a row's output does not depend on the
+    rest of its step."""
+    backend = resolve_backend(backend)
+    extra = {"split": not batch_invariant} if backend == "cpu" else {}
+    impl = functools.partial(_BACKENDS[backend], sm_scale=sm_scale,
+                             sliding_window=sliding_window, soft_cap=soft_cap, **extra)
     return _per_shard(impl, mesh, (_HEADS, kv_specs(cache.quantized), P(), P()), _HEADS)(
         q, cache, layer, md)

@@ -18,6 +18,7 @@ from ops.attention import AttentionMetadata, KVCache, check_inputs
 PAGE_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.float16, jnp.bfloat16, jnp.int8))
 MAX_HEAD_DIM = 256  # attention.cc's kMaxHeadDim
 MAX_GROUP = 48      # query heads per KV head (attention.cc's kMaxQueries)
+SPLIT_KEYS = 64     # a lone decode of this many keys or more is cut by keys over the threads
 
 
 def cpu_ragged_paged_attention(
@@ -29,8 +30,11 @@ def cpu_ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    split: bool = True,
 ) -> jax.Array:            # [T, H, D] in q's dtype
-    """The reference's contract (ops.attention.ref_ragged_paged_attention), in the kernel."""
+    """The reference's contract (ops.attention.ref_ragged_paged_attention), in the kernel.
+    `split`: a lone long decode may be cut by keys over XLA's threads (faster, but its last
+    bits then depend on how many sequences share the step)."""
     check_inputs(q, cache, md)
     num_heads, head_dim = q.shape[1:]
     if cache.k.dtype not in PAGE_DTYPES:
@@ -51,5 +55,6 @@ def cpu_ragged_paged_attention(
                none if cache.v_scale is None else cache.v_scale,
                md.query_start_loc, md.kv_lens, md.page_tables, jnp.asarray(layer, jnp.int32),
                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
-               window=np.int64(sliding_window or 0))
+               window=np.int64(sliding_window or 0),
+               split_keys=np.int64(SPLIT_KEYS if split else 0))
     return out.astype(q.dtype)

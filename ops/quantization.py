@@ -16,13 +16,15 @@ round their scales to it before quantizing, as llama.cpp does).
 
 How the matmul runs is chosen per static shape, from measurements on XLA:CPU (2-core Sapphire
 Rapids, the default model's matrices; docs/performance.md):
-- float32 rows on one CPU device, any number of them: xlaserve's own kernel
-  (ops/native/qmatmul.cc, an XLA FFI custom call built on first use). It converts 8-bit
-  values to float in registers and multiplies in float32; 4-bit values run as exact integer
-  dot products with each block of 32 inputs of a row held as 24-bit integers, float32's
-  precision at the block's largest value (weight-only: no 8-bit activation quantization); the output rows are split over XLA's intra-op threads.
-  Each row's result is the same sequence of operations whatever the other rows are, so a
-  row's numbers do not depend on its batch (XLA's dot gives no such promise). XLA's own
+- up to NATIVE_MAX_ROWS rows of float32 on one CPU device (any number under
+  --batch-invariant, `any_rows`): xlaserve's own kernel (ops/native/qmatmul.cc, an XLA FFI
+  custom call built on first use). It converts 8-bit values to float in registers and
+  multiplies in float32; 4-bit values run as exact integer dot products with each block of
+  32 inputs of a row held as 24-bit integers, float32's precision at the block's largest
+  value (weight-only: no 8-bit activation quantization); the output rows are split over
+  XLA's intra-op threads. Each row's result is the same sequence of operations whatever the
+  other rows are, so a row's numbers do not depend on its batch (XLA's dot gives no such
+  promise; at 64 rows and more it is faster, docs/performance.md). XLA's own
   one-row product runs on one thread, and at 2-8 rows XLA materializes the dequantized
   matrix before its dot (30 layers at 2 rows: 8.4 ms against 33.4). A model whose matmuls
   run there (`runs_native`) holds its 4-bit matrices packed two values a byte in
@@ -83,6 +85,7 @@ VOCAB_MATRICES = ("embed", "lm_head")  # one row per token: the embedding table,
 # 15.8% of float32's bytes (8,192 rows: 16.0%; docs/performance.md).
 FREQUENT_ROWS = 4096
 RARE = "_rare"
+NATIVE_MAX_ROWS = 8  # the most rows ops/native's kernel takes, unless `any_rows` (below)
 CHUNK_BYTES = 4 << 20  # the largest dequantized block at more than one row (measured: 0.25-16 MiB)
 SCALE_DTYPE = np.float16
 W8A8_MIN_ROWS = 2  # an int8 x int8 product of one row runs padded to this many
@@ -211,16 +214,18 @@ def dequantize(q, scale, minimum=None, *, xp=jnp, dtype=jnp.float32):
 
 
 def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
-           int8_activations: bool = False, native: bool = False) -> jax.Array:
+           int8_activations: bool = False, native: bool = False,
+           any_rows: bool = False) -> jax.Array:
     """x [T, I] @ w [O, I]^T -> [T, O]. `w` is a float array or a dict {"q", "scale"[, "min"]}:
     one layer's slice of a quantized parameter, or the whole stack [L, O, I] with its
     "layer" index (`stacked`). `out_dtype`: accumulate and return in it (float32 logits
     from bfloat16 activations). `chunked`: dequantize group formats in blocks of at most
     CHUNK_BYTES at more than one row (off where a mesh splits the rows).
     `int8_activations`: `w` is per-channel int8 and `x` is quantized to int8 per row (w8a8).
-    `native`: run xlaserve's CPU kernel where it serves (`native_fits`)."""
+    `native`: run xlaserve's CPU kernel where it serves (`native_fits`); `any_rows`: at any
+    number of rows (--batch-invariant), not only up to NATIVE_MAX_ROWS."""
     dot = lambda a, b: jnp.dot(a, b.T, preferred_element_type=out_dtype)
-    if native and native_fits(x, w):
+    if native and native_fits(x, w, any_rows):
         y = native_linear(x, w)
         return y if out_dtype is None else y.astype(out_dtype)
     if isinstance(w, dict) and "layer" in w:
@@ -334,13 +339,14 @@ def packed_formats(quant: dict) -> dict:
             for name, fmt in quant.items()}
 
 
-def native_fits(x: jax.Array, w) -> bool:
-    """Whether ops/native's kernel takes this product: float32 rows (any number), and a
-    matrix of one-per-int8 values with float16 scales per
+def native_fits(x: jax.Array, w, any_rows: bool = False) -> bool:
+    """Whether ops/native's kernel takes this product: float32 rows (up to NATIVE_MAX_ROWS
+    of them, or any number with `any_rows`), and a matrix of one-per-int8 values with
+    float16 scales per
     group of a multiple of 16 inputs (every format of SCHEMES but w8a8's, and GGUF's), or
     of packed values with groups of 32 times a power of two."""
     if (not isinstance(w, dict) or x.dtype != jnp.float32 or x.ndim != 2
-            or x.shape[0] < 1):
+            or x.shape[0] < 1 or (x.shape[0] > NATIVE_MAX_ROWS and not any_rows)):
         return False
     q, scale = w["q"], w["scale"]
     packed = q.dtype == jnp.uint8
@@ -378,7 +384,9 @@ def native_linears(x: jax.Array, ws: list[dict]) -> list[jax.Array]:
 def linears(x: jax.Array, ws: list, *, native: bool = False, **kwargs) -> list[jax.Array]:
     """`linear(x, w, ...)` for each of `ws` (same rows x): one native call for all where the
     kernel takes every one of them (q, k and v; gate and up), else one product each."""
-    if native and 1 < len(ws) <= NATIVE_MAX_MATRICES and all(native_fits(x, w) for w in ws):
+    any_rows = kwargs.get("any_rows", False)
+    if (native and 1 < len(ws) <= NATIVE_MAX_MATRICES
+            and all(native_fits(x, w, any_rows) for w in ws)):
         return native_linears(x, ws)
     return [linear(x, w, native=native, **kwargs) for w in ws]
 

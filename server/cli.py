@@ -91,6 +91,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch each step before reading the previous one's tokens (the "
                         "outputs are the same; default: on)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's numbers do not depend on what shares its steps, so a "
+                        "seeded request samples the same tokens alone or under load (CPU; "
+                        "slower: see the README)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="chat replies: text inside <think>...</think> goes to the message's "
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             attention_backend=args.attention_backend,
             tensor_parallel_size=args.tensor_parallel_size,
             max_waiting_requests=args.max_waiting_requests, seed=args.seed,
-            async_scheduling=args.async_scheduling)
+            async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant)
     except (ValueError, FileNotFoundError, OSError) as e:
         logger.error("cannot start: %s", e)
         return 2

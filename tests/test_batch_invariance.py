@@ -1,7 +1,8 @@
 """Seeded sampling gives the same tokens and logprobs whatever shares its steps.
 
-The default model with the server's defaults (float16 KV pages, our CPU kernels where they
-build, 64 sequences and 512 tokens a step): 16 seeded prompts (temperature 0.8) run alone,
+The default model with `--batch-invariant` and the server's other defaults (float16 KV
+pages, our CPU kernels where they build, 64 sequences and 512 tokens a step): 16 seeded
+prompts (temperature 0.8) run alone,
 then two at a time, seven at a time, and among 33 and 64 concurrent sequences whose long
 prompts are prefilled in chunks that share the seeded decodes' steps. Every run must give
 each prompt the same token ids and the same logprobs, bit for bit.
@@ -28,7 +29,7 @@ def _prompts(rng: random.Random, n: int, lo: int, hi: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def engine(default_gguf):
-    eng = LLMEngine(EngineConfig(model=str(default_gguf)))  # the server's defaults
+    eng = LLMEngine(EngineConfig(model=str(default_gguf), batch_invariant=True))
     eng.runner.warmup()
     return eng
 

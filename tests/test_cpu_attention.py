@@ -75,19 +75,24 @@ def test_a_few_rows_take_every_kv_head_in_one_item(num_kv_heads, group):
 @pytest.mark.parametrize("kv_len, window, cap", [(600, None, None), (1000, 100, None),
                                                  (130, None, 5.0), (129, 16, None)])
 def test_a_rows_output_does_not_depend_on_the_other_sequences(kv_len, window, cap):
-    """A long decode alone in its step (fewer work items than XLA's threads) and the same
-    decode beside a prefill chunk and another decode: the same bits (batch-invariant rows:
-    a seeded request samples alike alone or under load), and both right."""
+    """Without splitting (--batch-invariant), a long decode alone in its step (fewer work
+    items than XLA's threads) and the same decode beside a prefill chunk and another decode
+    give the same bits; split, alone, it is cut by keys over the threads and its parts'
+    softmax states combined, and is right either way (with a window, some parts see no
+    key at all)."""
     case = _case([(1, kv_len), (20, 40), (1, 20), (0, 0)])
     md = case.md
     lone = Case(case.q, case.cache, dataclasses.replace(
         md, query_start_loc=md.query_start_loc[:2], kv_lens=md.kv_lens[:1],
         page_tables=md.page_tables[:1]), [(1, kv_len), (0, 0)])
-    kw = dict(sm_scale=case.q.shape[-1] ** -0.5, sliding_window=window, soft_cap=cap)
+    kw = dict(sm_scale=case.q.shape[-1] ** -0.5, sliding_window=window, soft_cap=cap,
+              split=False)
     alone = np.asarray(kernel(lone.q, lone.cache, LAYER, lone.md, **kw))
     beside = np.asarray(kernel(case.q, case.cache, LAYER, case.md, **kw))
     assert alone[0].tobytes() == beside[0].tobytes()
-    check_kernel(kernel, _case([(1, kv_len), (0, 0)]), sliding_window=window, soft_cap=cap)
+    for split in (True, False):
+        check_kernel(kernel, _case([(1, kv_len), (0, 0)]), sliding_window=window,
+                     soft_cap=cap, blocks={"split": split})
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 8, 32])

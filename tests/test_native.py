@@ -21,6 +21,7 @@ from models.gguf_loader import repack
 from models.loader import load_model
 from ops import native
 from ops.quantization import (
+    NATIVE_MAX_ROWS,
     QuantFormat,
     linear,
     linears,
@@ -127,8 +128,9 @@ def test_one_call_multiplies_the_same_rows_by_several_matrices():
 def test_what_the_kernel_refuses_goes_to_xla():
     stack = _stack(FORMATS["Q4_1"], 64, 256)
     rng = np.random.default_rng(2)
-    many = jnp.asarray(rng.standard_normal((9, 256)).astype(np.float32))
-    assert native_fits(many, stacked(stack, 1))  # any number of rows
+    many = jnp.asarray(rng.standard_normal((NATIVE_MAX_ROWS + 1, 256)).astype(np.float32))
+    assert not native_fits(many, stacked(stack, 1))
+    assert native_fits(many, stacked(stack, 1), any_rows=True)  # --batch-invariant
     assert not native_fits(many[:1].astype(jnp.bfloat16), stacked(stack, 1))
     assert not native_fits(many[:1], jnp.ones((64, 256)))  # float weights
     one = jax.tree.map(lambda a: a[1], stack)
@@ -150,7 +152,7 @@ def test_a_rows_product_does_not_depend_on_the_other_rows(fmt):
                    packed=packed)
     cols = 608 if fmt != "int8 per channel" else 256
     x = np.random.default_rng(3).standard_normal((40, cols)).astype(np.float32)
-    f = jax.jit(lambda x, w: linear(x, stacked(w, 1), native=True))
+    f = jax.jit(lambda x, w: linear(x, stacked(w, 1), native=True, any_rows=True))
     whole = np.asarray(f(jnp.asarray(x), stack))
     for rows in (1, 2, 3, 4, 5, 7, 9, 13):
         for start in (0, 1, 6):

@@ -20,11 +20,12 @@
 // query heads of one KV head. Each value vector is loaded once for up to 4 queries of its
 // KV head, and the running maximum's exp is taken only when a block raises it (together:
 // 64 decodes of 200 keys 543-587 -> 458-472 us a call from cache, 2-vCPU EPYC). Work items
-// are handed to the caller and XLA's intra-op threads alike. Every query's keys are folded
-// in order into one softmax state, whatever else the call holds, so a row's output is the
-// same bits alone or in any batch (a lone long decode is therefore not cut by keys over the
-// threads: that ran one decode of 1,024 keys in 81-102 us a call instead of 181-191, but
-// its result depended on how many other sequences shared the step).
+// are handed to the caller and XLA's intra-op threads alike; with fewer items than threads
+// (a lone decode), a decode of `split_keys` keys or more is cut by keys into one part per
+// thread and the parts' softmax states are combined after (one decode of 1,024 keys from
+// memory: 181-191 -> 81-102 us a call; of 256: 19.8-21.6 -> 11.4-11.7 us). `split_keys` 0
+// never cuts one: every query's keys are then folded in order into one state, so a row's
+// output is the same bits whatever else the call holds (--batch-invariant).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -106,6 +107,11 @@ struct Problem {
 struct Item {
   int64_t seq, row0, rows;  // query rows [row0, row0 + rows) of seq
   int64_t head0, heads;     // its KV heads [head0, head0 + heads)
+  // A part of a long decode split by keys: keys [key0, key1) only (key0 and key1 multiples
+  // of kKeys, or key1 past the last key), and its unnormalised state (per query: the
+  // running maximum, the sum of weights, then the weighted values) goes to `partial`.
+  int64_t key0 = 0, key1 = std::numeric_limits<int64_t>::max();
+  float* partial = nullptr;
 };
 
 // Query vector x of an item (head-major: KV head, row, group member): its offset in q and
@@ -205,6 +211,8 @@ void RunItem(const Problem& p, const Item& it) {
     keys_begin = std::min<int64_t>(keys_begin, lo[x]);
     keys_end = std::max<int64_t>(keys_end, hi[x]);
   }
+  keys_begin = std::max(keys_begin, it.key0);  // a part of a split decode: its keys only
+  keys_end = std::min(keys_end, it.key1);
   int64_t rows_at[kKeys];  // the block's keys' token rows in the pool (without the head)
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t j0 = keys_begin / kKeys * kKeys; j0 < keys_end; j0 += kKeys) {
@@ -280,11 +288,37 @@ void RunItem(const Problem& p, const Item& it) {
       }
     }
   }
+  if (it.partial) {
+    std::copy(m, m + M, it.partial);
+    std::copy(l, l + M, it.partial + M);
+    std::copy(acc, acc + M * D, it.partial + 2 * M);
+    return;
+  }
   for (int64_t x = 0; x < M; ++x) {
     const __m512 inv = _mm512_set1_ps(l[x] > 0.0f ? 1.0f / l[x] : 0.0f);
     float* dst = p.out + VectorAt(p, it, x);
     for (int64_t d = 0; d < D; d += 16)
       _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(acc + x * D + d), inv));
+  }
+}
+
+// The output of a decode split into `parts` items by keys, from their partial states.
+void Combine(const Problem& p, const Item* parts, int64_t num_parts) {
+  const int64_t M = parts[0].heads * parts[0].rows * (p.H / p.Hkv), D = p.D;
+  for (int64_t x = 0; x < M; ++x) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t k = 0; k < num_parts; ++k) top = std::max(top, parts[k].partial[x]);
+    float sum = 0.0f;
+    alignas(64) float o[kMaxHeadDim] = {};
+    for (int64_t k = 0; k < num_parts; ++k) {
+      const float* part = parts[k].partial;
+      if (part[M + x] == 0.0f) continue;  // saw no key
+      const float c = std::exp(part[x] - top);
+      sum += part[M + x] * c;
+      for (int64_t d = 0; d < D; ++d) o[d] += c * part[2 * M + x * D + d];
+    }
+    float* dst = p.out + VectorAt(p, parts[0], x);
+    for (int64_t d = 0; d < D; ++d) dst[d] = sum > 0.0f ? o[d] / sum : 0.0f;
   }
 }
 
@@ -295,6 +329,7 @@ struct Work {
   Problem p;
   Pages pages;
   std::vector<Item> items;
+  std::vector<float> partials;  // the split decodes' parts' states
   std::atomic<int64_t> next{0}, done{0};
   void Run() {
     const int64_t num = static_cast<int64_t>(items.size());
@@ -319,7 +354,7 @@ using Out3 = ffi::ResultBuffer<ffi::F32, 3>;  // [T, H, D]
 ffi::Error Attention(ffi::ThreadPool pool, Rows3 q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, Ints1 qsl, Ints1 kv_lens,
                      Ints2 tables, Index layer, float sm_scale, float soft_cap, int64_t window,
-                     Out3 out) {
+                     int64_t split_keys, Out3 out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (kd.size() != 5 || k.element_type() != v.element_type() ||
       k.element_count() != v.element_count())
@@ -373,6 +408,37 @@ ffi::Error Attention(ffi::ThreadPool pool, Rows3 q, ffi::AnyBuffer k, ffi::AnyBu
       for (int64_t h = 0; h < Hkv; ++h)
         work->items.push_back(Item{s, r, std::min(block_rows, r1 - r), h, 1});
   }
+  // Fewer items than threads (a lone long decode): split the long ones by keys, so every
+  // thread reads a part of the pages, and combine the parts' states after.
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  std::vector<std::pair<int64_t, int64_t>> splits;  // (first part, parts) in items
+  if (split_keys > 0 && static_cast<int64_t>(work->items.size()) < workers) {
+    std::vector<Item> items;
+    int64_t floats = 0;
+    for (const Item& it : work->items) {
+      const int64_t kv = std::max<int64_t>(kv_lens.typed_data()[it.seq], 0);
+      const int64_t parts = it.heads == Hkv
+          ? std::min<int64_t>(workers / static_cast<int64_t>(work->items.size()), kv / split_keys) : 1;
+      if (parts < 2) { items.push_back(it); continue; }
+      const int64_t step = (kv / parts + kKeys - 1) / kKeys * kKeys;
+      splits.emplace_back(items.size(), parts);
+      for (int64_t k = 0; k < parts; ++k) {
+        Item part = it;
+        part.key0 = k * step;
+        if (k + 1 < parts) part.key1 = (k + 1) * step;
+        items.push_back(part);
+      }
+      floats += parts * it.heads * it.rows * group * (D + 2);
+    }
+    work->partials.resize(floats);
+    float* at = work->partials.data();
+    for (auto [first, parts] : splits)
+      for (int64_t k = first; k < first + parts; ++k) {
+        items[k].partial = at;
+        at += items[k].heads * items[k].rows * group * (D + 2);
+      }
+    work->items = std::move(items);
+  }
   const int64_t num = static_cast<int64_t>(work->items.size());
   // At most as many workers as the pool has threads, the caller included: the caller may
   // be a thread outside the pool, and one worker more than the cores made waiters spin
@@ -380,10 +446,12 @@ ffi::Error Attention(ffi::ThreadPool pool, Rows3 q, ffi::AnyBuffer k, ffi::AnyBu
   // alternating: 586-1,078 us a call against 524-552). qmatmul.cc keeps one helper per pool
   // thread: the same change there measured no better (30 layers at 1 and 8 rows, and the
   // engine bench's c=1 TPOT, 10.4-11.0 against 9.6-10.2 ms, inside the noise or worse).
-  int64_t helpers = pairs < kInlineWork ? 0 : std::min<int64_t>(pool.num_threads() - 1, num - 1);
+  int64_t helpers = pairs < kInlineWork && splits.empty()
+      ? 0 : std::min<int64_t>(pool.num_threads() - 1, num - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
   work->Run();
   while (work->done.load(std::memory_order_acquire) < num) _mm_pause();
+  for (auto [first, parts] : splits) Combine(work->p, work->items.data() + first, parts);
   return ffi::Error::Success();
 }
 
@@ -404,4 +472,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveAttention, Attention,
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("window")
+                                  .Attr<int64_t>("split_keys")  // 0: never split a decode
                                   .Ret<Rows3>());
