@@ -7,6 +7,7 @@ import contextlib
 import threading
 import time
 
+import httpx
 import numpy as np
 import uvicorn
 
@@ -115,3 +116,15 @@ def wait_until(cond, timeout=30.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+
+def assert_holds_nothing(url: str, engine) -> None:
+    """After a barrage of requests against a live fake server: it is up, its engine never
+    restarted, no request is left running and every KV block is free."""
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert engine.num_restarts == 0  # (an engine thread that died mid-stream answers 200)
+    assert wait_until(lambda: not engine.engine.has_unfinished(), timeout=60)
+    bm = engine.engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks
+    bm.check_invariants()
