@@ -34,6 +34,7 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.config import EngineConfig
+from engine.sampling_params import FLOAT_DTYPE, INT_DTYPE
 from engine.scheduler import SchedulerOutput
 from engine.sequence import PENDING, Sequence, SequenceStatus
 
@@ -100,12 +101,12 @@ def _template(config: EngineConfig, bucket: tuple[int, int]):
     for name, start, end, _ in views:
         if name in ("token_seq", "token_slot"):
             body[start:end] = -1
-    ints = np.zeros((sum(INT_COLUMNS.values()), s), np.int32)
+    ints = np.zeros((sum(INT_COLUMNS.values()), s), INT_DTYPE)
     layout_s = sampling_layout()
     r, k = layout_s["banned_tokens"]
     ints[r:r + k] = -1
     ints[layout_s["slots"][0]] = config.max_num_seqs  # the spare, neutral slot
-    floats = np.zeros((len(FLOAT_COLUMNS), s), np.float32)
+    floats = np.zeros((len(FLOAT_COLUMNS), s), FLOAT_DTYPE)
     for i, name in enumerate(FLOAT_COLUMNS):
         floats[i] = NEUTRAL.get(name, 0.0)
     return body, ints, floats, views
@@ -169,14 +170,14 @@ class InputBatch:
         self.spare = n  # padding rows and rows that sample nothing this step
         self.seqs: dict[int, tuple[int, Sequence]] = {}  # seq_id -> (slot, sequence)
         self._free = list(range(n - 1, -1, -1))  # pop() hands out the lowest slot first
-        self.floats = np.zeros((len(FLOAT_COLUMNS), n + 1), np.float32)
+        self.floats = np.zeros((len(FLOAT_COLUMNS), n + 1), FLOAT_DTYPE)
         for i, name in enumerate(FLOAT_COLUMNS):
             self.floats[i] = NEUTRAL.get(name, 0.0)
-        self.top_k = np.zeros(n + 1, np.int32)
+        self.top_k = np.zeros(n + 1, INT_DTYPE)
         self.num_top_logprobs = np.full(n + 1, -1, np.int32)  # -1: no logprobs
         self.seeds = np.zeros((n + 1, 2), np.uint32)
-        self.banned = np.full((n + 1, MAX_BANNED), -1, np.int32)
-        self.min_tokens = np.zeros(n + 1, np.int32)
+        self.banned = np.full((n + 1, MAX_BANNED), -1, INT_DTYPE)
+        self.min_tokens = np.zeros(n + 1, INT_DTYPE)
         self.constrained = np.zeros(n + 1, np.int32)  # follows a grammar (engine/grammar.py)
         self.prompt_lens = np.zeros(n + 1, np.int32)
         self.page_tables = np.zeros((n + 1, config.max_blocks_per_seq), np.int32)

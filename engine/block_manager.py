@@ -30,7 +30,11 @@ def hash_block(parent: bytes, token_ids: Iterable[int]) -> bytes:
 
 def _root_hash(seq: Sequence) -> bytes:
     salt = seq.cache_salt
-    return b"" if salt is None else hashlib.sha256(b"salt:" + str(salt).encode()).digest()
+    if salt is None:
+        return b""
+    # surrogatepass: any str a caller passes hashes (a lone surrogate would otherwise raise on
+    # the engine thread); distinct strings still give distinct bytes.
+    return hashlib.sha256(b"salt:" + str(salt).encode("utf-8", "surrogatepass")).digest()
 
 
 class BlockManager:

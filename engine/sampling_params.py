@@ -10,7 +10,16 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
+
 MAX_LOGPROBS = 20
+# The step buffers' dtypes (engine/batch.py): a request's integers (top_k, min_tokens, stop
+# token ids, token counts) sit in int32 columns and its floats in float32 ones. The bounds
+# below, and the server's request models (server/protocol.py), derive from them, so no value
+# that passes validation overflows a column on the engine thread.
+INT_DTYPE = np.int32
+FLOAT_DTYPE = np.float32
+INT_MAX = int(np.iinfo(INT_DTYPE).max)
 
 
 class SamplingParamsError(ValueError):
@@ -74,6 +83,10 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                   for t in self.stop_token_ids):
+            raise SamplingParamsError("stop_token_ids", "stop_token_ids: token ids must be "
+                                      "integers")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
@@ -83,12 +96,22 @@ class SamplingParams:
         def bad(param, message):
             raise SamplingParamsError(param, f"{param}: {message}")
 
+        for name in ("top_k", "min_tokens", "n", "max_tokens", "logprobs", "seed"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, np.integer))
+                                      or isinstance(value, bool)):
+                bad(name, f"must be an integer, got {value!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+                bad(name, f"must be a number, got {value!r}")
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", f"must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            bad("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
+        if not 0 <= self.top_k <= INT_MAX:
+            bad("top_k", f"must be -1, 0 (off) or in [1, {INT_MAX}], got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -98,10 +121,10 @@ class SamplingParams:
             bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             bad("seed", f"must be in [0, 2^63), got {self.seed}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= INT_MAX:
+            bad("max_tokens", f"must be in [1, {INT_MAX}], got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= INT_MAX:
+            bad("min_tokens", f"must be in [0, {INT_MAX}], got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens "
                               f"({self.max_tokens})")
@@ -109,8 +132,8 @@ class SamplingParams:
             bad("stop", "stop strings must be non-empty strings")
         if len(self.stop) > 16:
             bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
-        if any(t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "token ids must be non-negative")
+        if any(not 0 <= t <= INT_MAX for t in self.stop_token_ids):
+            bad("stop_token_ids", f"token ids must be in [0, {INT_MAX}]")
         if len(self.stop_token_ids) > 12:  # with up to 4 EOS ids: the sampler's ban list (16)
             bad("stop_token_ids", f"at most 12 stop token ids, got {len(self.stop_token_ids)}")
         if not 1 <= self.n <= 16:

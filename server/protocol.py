@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from engine.sampling_params import (
+    INT_MAX,
     MAX_LOGPROBS,
     SamplingParams,
     SamplingParamsError,
@@ -24,7 +25,8 @@ from engine.sampling_params import (
 )
 from server.strict_json import InvalidJSON, parse_json
 
-INT32_MAX = 2**31 - 1  # the engine keeps top_k, min_tokens and banned ids in int32 columns
+MAX_MESSAGES = 4096  # messages in one chat request
+MAX_PROMPTS = 256    # prompts in one completions request (each runs n sequences)
 
 
 # Fields whose bounds depend on the served models carry an "x-served" mark that
@@ -107,12 +109,12 @@ class _Request(BaseModel):
                                                 json_schema_extra={"maxProperties": 0})
     user: str | None = None
     # Engine extensions, as in vLLM.
-    top_k: int = Field(0, ge=-1, le=INT32_MAX, description="0 or -1: off.")
+    top_k: int = Field(0, ge=-1, le=INT_MAX, description="0 or -1: off.")
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
-    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    min_tokens: int = Field(0, ge=0, le=INT_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT_MAX)]] | None = Field(
         None, max_length=12)
     skip_special_tokens: bool = True
     return_token_ids: bool = Field(False, description="Add prompt_token_ids and token_ids to "
@@ -163,8 +165,10 @@ _TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "mini
                                                          **_served("token_id")},
               **_served("max_tokens")}
 _PROMPT = {"anyOf": [{"type": "string", "minLength": 1},
-                     {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
-                     _TOKEN_IDS, {"type": "array", "minItems": 1, "items": _TOKEN_IDS}],
+                     {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
+                      "items": {"type": "string", "minLength": 1}},
+                     _TOKEN_IDS, {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
+                                  "items": _TOKEN_IDS}],
            "description": "Text, token ids, or a batch of either."}
 
 
@@ -183,6 +187,8 @@ class CompletionRequest(_Request):
         prompts = _prompts(prompt)
         if not prompts or not all(prompts):
             raise ValueError("prompt is empty")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}")
         return prompt
 
     def prompts(self) -> list[str | list[int]]:
@@ -314,7 +320,7 @@ _TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools")
 class ChatCompletionRequest(_Request):
     model_config = ConfigDict(json_schema_extra=_rules(*_SAMPLING_RULES, *_CHAT_RULES))
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: MaxTokens | None = Field(None,
                                          description="Deprecated name of max_completion_tokens.")
     max_completion_tokens: MaxTokens | None = None
@@ -409,7 +415,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = Field(None, json_schema_extra=_served("model"))
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
