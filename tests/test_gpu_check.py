@@ -1,5 +1,8 @@
 """The GPU bring-up kit runs end to end: `scripts/gpu_check.py --smoke` (the same steps on CPU
-with tiny shapes) passes every step and writes its report."""
+with tiny shapes) passes every step and writes its report. The default run takes the kit's
+engine and server steps and its report; every step (what a GPU session rehearses first)
+runs under `-m slow`: the steps left out of the default run repeat tests of their own
+(tests/test_bench_attention.py, tests/test_pallas_gpu_attention.py, tests/test_quantization.py)."""
 
 from __future__ import annotations
 
@@ -8,17 +11,37 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ops import native
 
 ROOT = Path(__file__).resolve().parents[1]
+# Left out of the default run (each has tests of its own); every step runs under -m slow.
+OTHERWISE_TESTED = ("engine_tiny_b1_int8", "quant_bench", "kernel_tests", "attention_bench")
 
 
-def test_gpu_check_smoke(tmp_path):
-    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--smoke", "--out",
-                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+def smoke(out: Path, skip: tuple[str, ...] = ()) -> dict:
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--smoke", "--out", str(out),
+                           "--skip", ",".join(skip)], cwd=ROOT, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    return json.loads((out / "gpu_check.json").read_text())
+
+
+def test_gpu_check_smoke_engine_and_server_steps(tmp_path):
+    report = smoke(tmp_path, OTHERWISE_TESTED)
+    assert [s["name"] for s in report["steps"]] == ["engine_tiny_b1", "engine_tiny_b8", "server"]
+    assert all(s["ok"] for s in report["steps"])
+    b1 = report["steps"][0]["result"]
+    assert b1["compilations_after_warmup"] == 0 and b1["hbm_fraction"] > 0
+    server = report["steps"][2]
+    assert server["completion_tokens"] == 8 and server["stream_chunks"] >= 8
+    assert "| engine_tiny_b8 |" in (tmp_path / "gpu_check.md").read_text()
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke(tmp_path):
+    report = smoke(tmp_path)
     names = [s["name"] for s in report["steps"]]
     assert names == ["engine_tiny_b1", "engine_tiny_b1_int8", "quant_bench", "engine_tiny_b8",
                      "kernel_tests", "server", "attention_bench"]
