@@ -4,6 +4,11 @@
 
 Handlers are thin: parse and validate the body, pick the engine, call it, shape
 the answer. Every failure leaves as an OpenAI-shaped error with its status.
+
+Bodies are JSON only (`Content-Type: application/json`, else 415): a browser sends
+another site's `text/plain` POST without asking (no CORS preflight), never a JSON one.
+A body over `PARSE_INLINE_BYTES` is parsed and validated on a worker thread, so one
+large body does not stall the event loop and every stream on it.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import time
 from importlib import metadata
 
+import anyio.to_thread
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -23,7 +30,7 @@ from engine.async_engine import AsyncEngine, Engines
 from server.errors import CLIENT_ERRORS, APIError, api_error
 from server.generation import create_chat_completion, create_completion
 from server.metrics import ServerMetrics
-from server.middleware import APIKeyAuth, RequestLimits
+from server.middleware import APIKeyAuth, HostCheck, RequestLimits
 from server.openapi import ServedModel, openapi_schema
 from server.protocol import (
     ChatCompletionRequest,
@@ -36,6 +43,12 @@ from server.strict_json import InvalidJSON, parse_json
 
 MAX_BODY_BYTES = 8 << 20
 MAX_HEADERS = 100
+BODY_READ_TIMEOUT = 60.0  # seconds from a request's headers to the end of its body
+# Bodies above this are parsed and validated on a thread. Token ids are the slowest kind:
+# ~4 ms for 48 KB inline, ~60 ms per MB (2-core dev VM), so an 8 MiB body would hold the
+# loop for about half a second.
+PARSE_INLINE_BYTES = 64 << 10
+PARSE_THREADS = 2
 
 
 def _version() -> str:
@@ -55,6 +68,8 @@ class Server:
         self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.metrics = ServerMetrics(engines)
         self.created = int(time.time())
+        # Big bodies wait here (cancellably) for one of a few parsing threads.
+        self.parsers = anyio.CapacityLimiter(PARSE_THREADS)
 
     def engine(self, model: str | None) -> tuple[str, AsyncEngine]:
         names = self.engines.names()
@@ -65,15 +80,27 @@ class Server:
             model = names[0]
         return model, self.engines[model]  # UnknownModel -> 404
 
+    async def parse(self, request: Request, model: type[BaseModel]):
+        """The body as a validated `model`: 415 unless it is JSON, 400 unless it is valid."""
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise APIError(415, f"the body must be JSON, sent with 'Content-Type: "
+                                f"application/json' (got {media_type or 'none'!r})",
+                           code="unsupported_media_type")
+        body = await request.body()
+        if len(body) <= PARSE_INLINE_BYTES:
+            return _validate(body, model)
+        return await anyio.to_thread.run_sync(_validate, body, model, limiter=self.parsers)
+
     # ---- handlers -----------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        req = CompletionRequest.model_validate(await _json(request))
+        req = await self.parse(request, CompletionRequest)
         model, engine = self.engine(req.model)
         return await create_completion(request, req, model, engine, self.metrics.tracker(model))
 
     async def chat_completions(self, request: Request) -> Response:
-        req = ChatCompletionRequest.model_validate(await _json(request))
+        req = await self.parse(request, ChatCompletionRequest)
         model, engine = self.engine(req.model)
         return await create_chat_completion(request, req, model, engine,
                                             self.metrics.tracker(model), self.reasoning)
@@ -88,12 +115,13 @@ class Server:
         return JSONResponse(self._model_card(name))
 
     def _model_card(self, name: str) -> dict:
+        # `root` is the served name, never the weights' path (it would show the file system).
         return {"id": name, "object": "model", "created": self.created, "owned_by": "xlaserve",
-                "root": self.engines[name].config.model,
+                "root": name,
                 "max_model_len": self.engines[name].max_model_len}
 
     async def tokenize(self, request: Request) -> Response:
-        req = TokenizeRequest.model_validate(await _json(request))
+        req = await self.parse(request, TokenizeRequest)
         model, engine = self.engine(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
@@ -110,7 +138,7 @@ class Server:
                              "tokens": ids})
 
     async def detokenize(self, request: Request) -> Response:
-        req = DetokenizeRequest.model_validate(await _json(request))
+        req = await self.parse(request, DetokenizeRequest)
         model, engine = self.engine(req.model)
         ids = await engine.encode(req.tokens)  # checks the ids against the vocabulary
         return JSONResponse({"prompt": engine.decode(ids)})
@@ -133,9 +161,9 @@ class Server:
         return JSONResponse(openapi_schema(_version(), served, self.api_key))
 
 
-async def _json(request: Request) -> object:
+def _validate(body: bytes, model: type[BaseModel]):
     try:
-        return parse_json(await request.body())
+        return model.model_validate(parse_json(body))
     except InvalidJSON as e:
         raise APIError(400, f"the body is not valid JSON: {e}") from None
 
@@ -153,7 +181,9 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[str] = (),
               max_body_bytes: int = MAX_BODY_BYTES, max_headers: int = MAX_HEADERS,
-              reasoning_parser: str | None = None) -> Starlette:
+              reasoning_parser: str | None = None, allowed_hosts: list[str] | None = None,
+              body_read_timeout: float = BODY_READ_TIMEOUT) -> Starlette:
+    """`allowed_hosts`: the Host names served (None or "*": any; see HostCheck)."""
     server = Server(engines, reasoning_parser, api_key=bool(api_key))
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
@@ -166,13 +196,17 @@ def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[s
         Route("/metrics", server.metrics_text, methods=["GET"]),
         Route("/openapi.json", server.openapi, methods=["GET"]),
     ]
-    # Outermost first: CORS answers preflights itself; limits come before auth reads anything.
+    # Outermost first: a foreign Host is refused before anything else (a DNS-rebinding page
+    # gets nothing, not even CORS answers); CORS answers preflights itself; limits come
+    # before auth reads anything.
     middleware = []
+    if allowed_hosts is not None and "*" not in allowed_hosts:
+        middleware.append(Middleware(HostCheck, allowed_hosts=allowed_hosts))
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
                                      allow_methods=["*"], allow_headers=["*"]))
     middleware.append(Middleware(RequestLimits, max_body_bytes=max_body_bytes,
-                                 max_headers=max_headers))
+                                 max_headers=max_headers, body_read_timeout=body_read_timeout))
     if api_key:
         middleware.append(Middleware(APIKeyAuth, api_key=api_key))
     handlers = {HTTPException: _http_error, Exception: _api_error,

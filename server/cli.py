@@ -1,10 +1,10 @@
 """`python -m server` / `xlaserve`: load the models, warm them up, then serve the OpenAI API.
 
     python -m server                                   # the default model on 127.0.0.1:8000
-    python -m server --model ./Llama-3.2-1B-Instruct --port 8080 --api-key secret
+    python -m server --model ./Llama-3.2-1B-Instruct --port 8080 --api-key-file key.txt
     python -m server --model small=./a.gguf --model big=./b --max-num-seqs 32
 
-Flags are named as in vLLM where vLLM has them.
+Flags are named as in vLLM (or uvicorn) where vLLM (or uvicorn) has them.
 """
 
 from __future__ import annotations
@@ -14,15 +14,23 @@ import dataclasses
 import logging
 import os
 import sys
+from pathlib import Path
 
 import uvicorn
 
 from engine.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, parse_bytes
 from engine.launch import parse_model_arg, start_engines
-from server.app import MAX_BODY_BYTES, MAX_HEADERS, build_app
+from server.app import BODY_READ_TIMEOUT, MAX_BODY_BYTES, MAX_HEADERS, build_app
+from server.connections import with_deadlines
+from server.middleware import LOOPBACK_HOSTS, is_loopback
 from server.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger("server")
+
+API_KEY_ENV = "XLASERVE_API_KEY"
+HEADER_READ_TIMEOUT = 10.0  # seconds for a request's headers (from connect or last response)
+TIMEOUT_KEEP_ALIVE = 5  # uvicorn's default
+LIMIT_CONCURRENCY = 2048  # connections; the default engine queue (1024) fits well inside it
 
 
 def _size(text: str) -> int:
@@ -30,6 +38,13 @@ def _size(text: str) -> int:
         return parse_bytes(text)
     except ValueError as e:  # argparse shows this message instead of "invalid value"
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -43,8 +58,12 @@ def parser() -> argparse.ArgumentParser:
                                                "the file or directory name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("XLASERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (env XLASERVE_API_KEY)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key-file", metavar="PATH",
+                     help="require 'Authorization: Bearer KEY', KEY being this file's text "
+                          f"(surrounding whitespace dropped); without it: env {API_KEY_ENV}")
+    key.add_argument("--api-key", help="the same with KEY itself (which the process list "
+                                       "then shows to every user: prefer the file or env)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATION_CHOICES,
                    help="weight-only quantization: auto (default) keeps a GGUF file's "
@@ -101,10 +120,112 @@ def parser() -> argparse.ArgumentParser:
                         "reasoning_content, the rest to content")
     p.add_argument("--cors-origins", "--allowed-origins", dest="cors_origins", nargs="*",
                    default=[], help="origins allowed by CORS (none by default)")
+    p.add_argument("--allowed-hosts", metavar="NAMES",
+                   help="comma-separated names clients may give as Host (port ignored; "
+                        "*.example.com for subdomains; * for any), so that a web page cannot "
+                        "reach the server by DNS rebinding; /health answers any Host. "
+                        "Default: localhost, 127.0.0.1, ::1 (and --host) when --host is "
+                        "loopback, else * (with a warning)")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     p.add_argument("--max-headers", type=int, default=MAX_HEADERS)
+    p.add_argument("--timeout-keep-alive", type=int, default=TIMEOUT_KEEP_ALIVE,
+                   metavar="SECONDS", help="close a connection idle this long after a response")
+    p.add_argument("--header-read-timeout", type=_seconds, default=HEADER_READ_TIMEOUT,
+                   metavar="SECONDS", help="close a connection whose request headers are not "
+                                           "all in this long after it opened or last answered")
+    p.add_argument("--body-read-timeout", type=_seconds, default=BODY_READ_TIMEOUT,
+                   metavar="SECONDS", help="a request body not all in this long after its "
+                                           "headers: 408 and the connection closed")
+    p.add_argument("--limit-concurrency", type=int, default=LIMIT_CONCURRENCY, metavar="N",
+                   help="at N open connections (busy or idle) or requests in flight, new "
+                        "requests get 503; 0: no cap")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def read_secret(path: str, flag: str) -> str:
+    """A secret kept in a file, so that the process list does not show it: the file's text
+    without surrounding whitespace."""
+    secret = Path(path).read_text().strip()
+    if not secret:
+        raise ValueError(f"{flag} {path} is empty")
+    return secret
+
+
+def api_key(args) -> tuple[str | None, str]:
+    """The API key, and where it came from (named in the startup log)."""
+    if args.api_key_file:
+        return read_secret(args.api_key_file, "--api-key-file"), "--api-key-file"
+    if args.api_key:
+        return args.api_key, "--api-key"
+    if os.environ.get(API_KEY_ENV):
+        return os.environ[API_KEY_ENV], API_KEY_ENV
+    return None, "none"
+
+
+def allowed_hosts(args) -> list[str]:
+    """--allowed-hosts, or its default: the loopback names when bound to loopback (only a
+    page served from this machine can then name it), any name otherwise, so that a
+    deployment reached by names the server cannot know keeps working."""
+    if args.allowed_hosts:
+        return [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+    if is_loopback(args.host):
+        return list(dict.fromkeys([*LOOPBACK_HOSTS, args.host]))
+    return ["*"]
+
+
+def http_warnings(args, key_source: str) -> list[str]:
+    """What the startup log must warn about in how the HTTP server is exposed."""
+    warnings = []
+    if key_source == "--api-key":
+        warnings.append("the API key is on the command line, where the process list shows it "
+                        f"to every user of this machine: use --api-key-file or {API_KEY_ENV}")
+    if not is_loopback(args.host):
+        if key_source == "none":
+            warnings.append(f"bound to {args.host}, beyond this machine, with no API key: "
+                            f"anyone who can reach port {args.port} can use the models; set "
+                            f"--api-key-file or {API_KEY_ENV}")
+        if args.allowed_hosts is None:
+            warnings.append(f"bound to {args.host} with any Host name accepted: set "
+                            "--allowed-hosts to the names clients use (a web page can reach a "
+                            "server it may not name by DNS rebinding)")
+    return warnings
+
+
+def allow_open_files(connections: int) -> None:
+    """Raise the soft open-file limit (within the hard one) to fit `connections`: a cap
+    above it means nothing, accept() fails first."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + 256  # weights, the listening socket, the engines' own files
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < want:
+        logger.warning("--limit-concurrency %d is above what the open-file limit (%d) leaves "
+                       "room for: raise `ulimit -n`", connections, new)
+
+
+def serve(app, args, key_source: str) -> None:
+    """Run uvicorn on `app` with the connection settings the flags chose, said in the log."""
+    limit = args.limit_concurrency or None
+    if limit:
+        allow_open_files(limit)
+    logger.info("HTTP: Host names allowed: %s; API key: %s; keep-alive %d s; headers within "
+                "%g s, bodies within %g s; %s", ", ".join(allowed_hosts(args)),
+                "none" if key_source == "none" else f"from {key_source}",
+                args.timeout_keep_alive, args.header_read_timeout, args.body_read_timeout,
+                f"503 from {limit} connections" if limit else "no connection cap")
+    for warning in http_warnings(args, key_source):
+        logger.warning(warning)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5, timeout_keep_alive=args.timeout_keep_alive,
+                limit_concurrency=limit,
+                http=with_deadlines(args.header_read_timeout, args.body_read_timeout))
 
 
 def join_cluster(args) -> int | None:
@@ -140,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         if status is not None:  # a follower's life is over
             return status
     try:
+        key, key_source = api_key(args)
         specs = [parse_model_arg(m) for m in (args.model or [None])]
         if args.served_model_name:
             if len(specs) != 1:
@@ -160,13 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError) as e:
         logger.error("cannot start: %s", e)
         return 2
-    app = build_app(engines, api_key=args.api_key, cors_origins=args.cors_origins,
+    app = build_app(engines, api_key=key, cors_origins=args.cors_origins,
                     max_body_bytes=args.max_body_bytes, max_headers=args.max_headers,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, allowed_hosts=allowed_hosts(args),
+                    body_read_timeout=args.body_read_timeout)
     logger.info("Serving %s on http://%s:%d", ", ".join(engines.names()), args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        serve(app, args, key_source)
     finally:
         engines.shutdown()
         if args.num_processes > 1:

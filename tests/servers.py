@@ -74,3 +74,17 @@ def running_server(args: list[str], log: Path, env: dict | None = None):
         yield url
     finally:
         stop(proc)
+
+
+@contextlib.contextmanager
+def running_server_process(args: list[str], log: Path, env: dict | None = None):
+    """`running_server`, yielding (base URL, the process): for what the process itself shows
+    (its command line)."""
+    port = free_port()
+    proc = spawn(server_command("--port", str(port), *args), log, env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url, log)
+        yield url, proc
+    finally:
+        stop(proc)

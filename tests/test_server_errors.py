@@ -10,11 +10,13 @@ import pytest
 from fakes import make_engine, wait_until
 from starlette.testclient import TestClient
 
+import server.app
 from engine.async_engine import Engines
 from server.app import build_app
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture
@@ -140,12 +142,34 @@ def test_every_openai_role_is_accepted(served):
 
 def test_malformed_bodies_are_400(served):
     client, _, _ = served
-    assert_error(client.post("/v1/completions", content=b"{not json"), 400, match="valid JSON")
-    assert_error(client.post("/v1/completions", content=b"\xff\xfe"), 400, match="valid JSON")
+    for body in (b"{not json", b"\xff\xfe"):
+        r = client.post("/v1/completions", content=body, headers=JSON)
+        assert_error(r, 400, match="valid JSON")
     assert_error(client.post("/v1/completions", json=[1, 2]), 400, match="dictionary")
     assert_error(client.post("/tokenize", json={"model": "fake"}), 400, param="prompt")
     assert_error(client.post("/detokenize", json={"model": "fake", "tokens": [10**9]}), 400,
                  match="outside the vocabulary")
+
+
+def test_a_big_body_is_parsed_and_validated_off_the_event_loop(served, monkeypatch):
+    """So that one big body does not stall every stream on the loop while it is parsed."""
+    client, engine, _ = served
+    threads = []
+
+    def spy(body):
+        threads.append(threading.get_ident())
+        return parse_json(body)
+
+    parse_json = server.app.parse_json
+    monkeypatch.setattr(server.app, "parse_json", spy)
+    monkeypatch.setattr(server.app, "PARSE_INLINE_BYTES", 1000)
+    assert complete(client, prompt=[1]).status_code == 200  # small: parsed on the loop
+    assert_error(complete(client, prompt=[5] * 600), 400, match="maximum context length")
+    assert_error(client.post("/v1/completions", content=b"[" * 1500, headers=JSON), 400,
+                 match="valid JSON")
+    loop_thread = threads[0]
+    assert len(threads) == 3 and loop_thread not in threads[1:]
+    assert wait_until(lambda: all_free(engine))
 
 
 def test_unknown_model_route_and_method(served):
@@ -161,13 +185,15 @@ def test_unknown_model_route_and_method(served):
 def test_body_and_header_limits(served):
     client, engine, _ = served
     big = json.dumps({"model": "fake", "prompt": "x" * 5000}).encode()
-    assert_error(client.post("/v1/completions", content=big), 413, match="limit of 4096 bytes")
+    assert_error(client.post("/v1/completions", content=big, headers=JSON), 413,
+                 match="limit of 4096 bytes")
 
     def chunks():  # no Content-Length: the limit is enforced while reading
         for _ in range(10):
             yield b" " * 1000
 
-    assert_error(client.post("/v1/completions", content=chunks()), 413, match="4096")
+    assert_error(client.post("/v1/completions", content=chunks(), headers=JSON), 413,
+                 match="4096")
     many = {f"x-h{i}": "1" for i in range(50)}
     assert_error(client.get("/v1/models", headers=many), 431, match="too many headers")
     assert complete(client, prompt=[1]).status_code == 200
