@@ -21,8 +21,12 @@ copy_dot_fusion not found" when the reloaded copy runs), and jax offers no per-c
 around that cache. So a process with this store leaves XLA's persistent cache off (see
 `executable_store_dir`), and one where something else turned it on gets no store.
 
-Loading runs code from the file (pickle), like XLA's own cache: keep the cache directory
-private to its user.
+Loading runs code from the file (pickle), like XLA's own cache, so the store is private
+(ops/cache_trust.py): its directories are created 0700 and its files 0600, and a file is
+loaded only when it and every directory from the store's root down belong to this user and
+no one else can write them. A refused file is a miss (warned once): compiled afresh and
+replaced by a new private file when its directory passes, never written into; a refused
+directory gets nothing written into it (a refused root turns the store off).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from models.known_models import user_cache_dir
 from models.loader import load_config, resolve_dtype
 from models.registry import param_specs
 from models.sharding import sharded_config
-from ops import native
+from ops import cache_trust, native
 from ops.attention import kv_token_bytes, resolve_kv_dtype
 
 logger = logging.getLogger(__name__)
@@ -55,14 +59,21 @@ logger = logging.getLogger(__name__)
 
 def executable_store_dir() -> str | None:
     """Where compiled step executables are kept between runs (ExecutableStore):
-    $XLASERVE_COMPILE_CACHE, else the user cache; None when that variable is "off", in a
-    multi-process run (each process compiles afresh there, see init_distributed), or when
-    XLA's own persistent cache was turned on by someone else (its executables do not survive
-    a second serialization on CPU)."""
+    $XLASERVE_COMPILE_CACHE, else the user cache, created private if missing; None when that
+    variable is "off", in a multi-process run (each process compiles afresh there, see
+    init_distributed), when XLA's own persistent cache was turned on by someone else (its
+    executables do not survive a second serialization on CPU), or when the directory is not
+    this user's alone or cannot be made (logged)."""
     setting = os.environ.get("XLASERVE_COMPILE_CACHE", "")
     if setting == "off" or _distributed or jax.config.jax_compilation_cache_dir:
         return None
-    return setting or str(user_cache_dir() / "executables")
+    directory = setting or str(user_cache_dir() / "executables")
+    try:
+        cache_trust.private_dir(Path(directory))
+    except OSError as e:  # UntrustedPath among them
+        logger.warning("executable store off, every executable is compiled: %s", e)
+        return None
+    return directory
 
 
 _distributed = False  # set by init_distributed
@@ -247,27 +258,52 @@ def fingerprint(config, graphdef, state, kv) -> str:
 
 class ExecutableStore:
     def __init__(self, directory: str | Path, key: str, devices):
-        """`devices`: those the executables run on (in mesh order), part of the key too."""
+        """`directory`: the store's root, from which every file is checked (cache_trust);
+        `devices`: those the executables run on (in mesh order), part of the key too."""
         self.devices = list(devices)
         ids = ",".join(str(d.id) for d in self.devices)
-        self.directory = Path(directory) / hashlib.sha256(f"{key}:{ids}".encode()).hexdigest()[:32]
+        self.root = Path(directory)
+        self.name = hashlib.sha256(f"{key}:{ids}".encode()).hexdigest()[:32]
+        self.directory = self.root / self.name
+        self._refused: set[str] = set()  # what was warned about already
 
     def _path(self, bucket: tuple[str, int]) -> Path:
         kind, size = bucket
         return self.directory / f"{kind}-{size}.pkl"
 
+    def _refuse(self, error: OSError) -> None:
+        if str(error) not in self._refused:
+            self._refused.add(str(error))
+            logger.warning("executable store: %s; compiling without it", error)
+
+    def _open(self, bucket: tuple[str, int]):
+        """The stored file of `bucket` opened for reading once it passed the checks, else None
+        (absent, or refused with a warning)."""
+        try:
+            return cache_trust.open_private(self.root, f"{self.name}/{self._path(bucket).name}")
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # UntrustedPath among them
+            self._refuse(e)
+            return None
+
     def has(self, bucket: tuple[str, int]) -> bool:
-        """Whether `bucket` has a stored file (`load` may still refuse it)."""
-        return self._path(bucket).exists()
+        """Whether `bucket` has a stored file that passes the checks (`load` may still find
+        it unreadable)."""
+        f = self._open(bucket)
+        if f is not None:
+            f.close()
+        return f is not None
 
     def load(self, bucket: tuple[str, int]):
-        """The stored executable of `bucket`, or None (absent, unreadable, or made by a
-        runtime that cannot load it)."""
+        """The stored executable of `bucket`, or None (absent, refused by the checks,
+        unreadable, or made by a runtime that cannot load it)."""
         path = self._path(bucket)
-        if not path.exists():
+        f = self._open(bucket)
+        if f is None:
             return None
         try:
-            with open(path, "rb") as f:
+            with f:  # the very file checked, whatever its path names by now
                 serialized, in_tree, out_tree = pickle.load(f)
             exe = serialize_executable.deserialize_and_load(
                 serialized, in_tree, out_tree, execution_devices=self.devices)
@@ -283,14 +319,25 @@ class ExecutableStore:
         except Exception as e:  # e.g. a backend that cannot serialize: nothing to keep
             logger.info("cannot store executable %s (%s: %s)", bucket, type(e).__name__, e)
             return
-        if not self.directory.exists():
-            self.directory.mkdir(parents=True)
+        new = not self.directory.exists()
+        try:  # nothing is written into a directory that is not this user's alone
+            cache_trust.private_dir(self.root, self.name)
+        except OSError as e:  # UntrustedPath among them
+            self._refuse(e)
+            return
+        if new:
             self._prune()
-        # Written whole, then renamed: a reader never sees half a file.
+        # Written whole (mkstemp: 0600), then renamed over whatever the name held (a refused
+        # file too: its directory passed, and the rename never writes into it): a reader
+        # never sees half a file.
         fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, self._path(bucket))
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, self._path(bucket))
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
     def _prune(self) -> None:
         """Keep the MAX_CONFIGURATIONS most recently used fingerprints: every source change

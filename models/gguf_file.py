@@ -24,6 +24,7 @@ import gguf
 import numpy as np
 
 from models.known_models import user_cache_dir
+from ops.cache_trust import makedirs_private
 
 logger = logging.getLogger(__name__)
 _INDEX_VERSION = 1
@@ -104,7 +105,7 @@ def _open(path: str, mtime_ns: int, size: int) -> GGUFIndex:
         pass  # absent or unreadable: parse the file
     index = _parse(path)
     try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
+        makedirs_private(cached.parent)
         fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump({"metadata": index.metadata, "tensors": [

