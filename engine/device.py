@@ -221,8 +221,10 @@ _ROOT = Path(__file__).resolve().parents[1]
 MAX_CONFIGURATIONS = 32  # fingerprint directories kept; the least recently used go first
 
 # EngineConfig fields that cannot change a compiled step (names, served limits, seeds).
+# Config fields that change no executable (the KV pool's size, however it was chosen, is in the
+# KV cache's shape, which the key holds).
 _IRRELEVANT = {"model", "name", "max_waiting_requests", "seed", "enable_prefix_caching",
-               "gpu_memory_utilization",
+               "gpu_memory_utilization", "num_blocks",
                "async_scheduling"}
 
 
@@ -244,6 +246,8 @@ def _abstract(tree) -> str:
 def fingerprint(config, graphdef, state, kv) -> str:
     """The key shared by every executable of one runner (the bucket is added per file)."""
     devices = jax.devices()
+    if jax.default_backend() == "cpu":
+        native.available()  # loaded before its identity is read: one key in every process
     fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _IRRELEVANT}
     parts = [
         jax.__version__, jaxlib.__version__, jax.default_backend(),
