@@ -105,6 +105,11 @@ def parser() -> argparse.ArgumentParser:
                         "devices; --tensor-parallel-size defaults to all of them)")
     p.add_argument("--process-id", type=int, default=0,
                    help="multi-host: this process's rank; 0 serves HTTP, the others follow")
+    p.add_argument("--cluster-key-file", metavar="PATH",
+                   help="multi-host: a file holding the step channel's shared secret, the same "
+                        "on every process (surrounding whitespace dropped); without it: env "
+                        "XLASERVE_CLUSTER_KEY. Required when --coordinator-address is not a "
+                        "loopback address (on loopback without one, a per-run key is used)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
@@ -237,10 +242,15 @@ def join_cluster(args) -> int | None:
     if not args.coordinator_address:
         logger.error("--num-processes > 1 needs --coordinator-address HOST:PORT")
         return 2
+    try:  # refuse before joining jax.distributed: off loopback the channel needs a secret
+        cluster.channel_key(args.coordinator_address, args.cluster_key_file)
+    except (ValueError, OSError) as e:
+        logger.error("cannot start: %s", e)
+        return 2
     num_devices = init_distributed(args.coordinator_address, args.num_processes,
                                    args.process_id)
     if args.process_id != 0:
-        return cluster.follow(args.coordinator_address)
+        return cluster.follow(args.coordinator_address, key_file=args.cluster_key_file)
     if args.tensor_parallel_size == 1:
         args.tensor_parallel_size = num_devices
     if args.tensor_parallel_size != num_devices:
@@ -248,7 +258,8 @@ def join_cluster(args) -> int | None:
                      "--tensor-parallel-size %d", num_devices, args.num_processes,
                      args.tensor_parallel_size)
         return 2
-    cluster.leader = cluster.Leader(args.coordinator_address, args.num_processes - 1)
+    cluster.leader = cluster.Leader(args.coordinator_address, args.num_processes - 1,
+                                    key_file=args.cluster_key_file)
     return None
 
 
