@@ -10,12 +10,17 @@
 Whatever the source, `Tokenizer` adds BOS/EOS itself, from one pair of flags, so the rule that
 decides a prompt's first token is visible here rather than hidden in a post-processor. A model whose
 files carry no chat template can be given one of ours by name (`default_chat_template`).
+
+Special tokens written in a text become their ids (as in transformers), except in a rendered chat
+(`ChatPrompt`), where only the template's own are real and request text spelling one is text.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -32,6 +37,10 @@ from models.gguf_vocab import NORMAL, VocabError, byte_level_bpe, sentencepiece_
 # out on purpose: gpt-oss writes it between the channels of one reply.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>",
                       "<|END_OF_TURN_TOKEN|>")
+# Texts this long or longer are tokenized with the GIL released: `tokenizers` holds it through an
+# `encode` call (a 2 MB text stalled every other thread, the event loop's too, for over a second)
+# and releases it in `encode_batch`, which costs a little more on a short text.
+_LONG_TEXT = 4096
 
 class TokenizerError(ValueError):
     pass
@@ -124,7 +133,7 @@ class Tokenizer:
         except VocabError as e:
             raise TokenizerError(f"{path}: {e}") from e
         extra_eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
-        return cls(_HFBackend(hf), source=str(path),
+        return cls(_HFBackend(hf, tokens), source=str(path),
                    bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
                    eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
                    pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
@@ -195,16 +204,46 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return None if self.eos_token_id is None else self.id_to_token(self.eos_token_id)
 
+    @functools.cached_property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The texts that `encode` turns into special tokens (`<|im_start|>`)."""
+        return tuple(sorted({t for i in self._backend.special_ids
+                             if (t := self._backend.id_to_token(i))}))
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """At least the bytes of text any one token stands for: its longest spelling in the
+        vocabulary, in UTF-8 (which spells a byte in one to six: 'Ġ' is two, '▁' three, '<0x0A>'
+        six). A text of more than `n * max_token_bytes` bytes is more than n tokens, unless a
+        normalizer shrinks it first (NFKC, collapsed whitespace)."""
+        return max(len(t.encode("utf-8")) for t in self._backend.pieces())
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special tokens written in `text` (like `<|im_start|>`) become their ids, as in
-        transformers; `add_special_tokens` only decides the BOS/EOS added around the text."""
-        ids = self._backend.encode(text)
+        transformers, except in a ChatPrompt: there only its `template_specials` do, and the
+        rest is plain text. `add_special_tokens` only decides the BOS/EOS added around it."""
+        spans = getattr(text, "template_specials", None)
+        ids = self._backend.encode(text) if spans is None else self._encode_chat(text, spans)
         if add_special_tokens:
             if self.add_bos_token:
                 ids = [self.bos_token_id, *ids]
             if self.add_eos_token:
                 ids.append(self.eos_token_id)
         return ids
+
+    def _encode_chat(self, text: str, spans: Sequence[tuple[int, int]]) -> list[int]:
+        # The pieces between the template's special tokens are where tokenizers would cut the
+        # text anyway, so each piece's tokens are those of the whole text.
+        pieces, specials, start = [], [], 0
+        for a, b in spans:
+            i = self._backend.token_to_id(text[a:b])
+            if i is None or i not in self.special_token_ids:
+                raise TokenizerError(f"{text[a:b]!r} is not a special token of {self.source}")
+            pieces.append(text[start:a])
+            specials.append(i)
+            start = b
+        pieces.append(text[start:])
+        return self._backend.encode_around(pieces, specials)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens)
@@ -276,14 +315,49 @@ def _builtin(name: str | None) -> str | None:
 
 
 class _HFBackend:
-    def __init__(self, hf: HFTokenizer):
+    def __init__(self, hf: HFTokenizer, tokens: Sequence[str] | None = None):
+        """`tokens`: the vocabulary as its file spells it, where it is at hand (a GGUF's):
+        `get_vocab` takes a second for 262,144 tokens."""
         self.hf = hf
+        self._tokens = tokens
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
-        self.special_ids = frozenset(
-            i for i, t in hf.get_added_tokens_decoder().items() if t.special)
+        added = hf.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        # Special tokens that take the whitespace beside them when they match (Phi-3's rstrip).
+        self._strips = {i: (t.lstrip, t.rstrip) for i, t in added.items()
+                        if t.special and (t.lstrip or t.rstrip)}
+        self._plain: HFTokenizer | None = None  # the same, with special tokens read as text
+        self._lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
+        if len(text) < _LONG_TEXT:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        return self.hf.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def encode_around(self, texts: list[str], special_ids: list[int]) -> list[int]:
+        """texts[0], special_ids[0], texts[1], ...: special tokens spelt in the texts are text.
+        (Tokenizers cut the text at special tokens too, but a Metaspace pre-tokenizer with
+        prepend_scheme 'first' prefixes each of these texts as a first one.)"""
+        texts = list(texts)
+        for n, i in enumerate(special_ids):
+            lstrip, rstrip = self._strips.get(i, (False, False))
+            if lstrip:
+                texts[n] = texts[n].rstrip()
+            if rstrip:
+                texts[n + 1] = texts[n + 1].lstrip()
+        with self._lock:  # a flag on a shared tokenizer would race: a copy keeps it set
+            if self._plain is None:
+                self._plain = HFTokenizer.from_str(self.hf.to_str())
+                self._plain.encode_special_tokens = True
+        pieces = self._plain.encode_batch(texts, add_special_tokens=False)  # (GIL released)
+        ids = list(pieces[0].ids)
+        for i, piece in zip(special_ids, pieces[1:], strict=True):
+            ids += [i, *piece.ids]
+        return ids
+
+    def pieces(self) -> Iterable[str]:
+        return self._tokens if self._tokens is not None else self.hf.get_vocab(
+            with_added_tokens=True)
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -324,6 +398,34 @@ class _SentencePieceBackend:
             elif piece:
                 ids.extend(self.sp.encode(piece))
         return ids
+
+    def encode_around(self, texts: list[str], special_ids: list[int]) -> list[int]:
+        """texts[0], special_ids[0], texts[1], ...: special tokens spelt in the texts are text."""
+        ids: list[int] = []
+        for n, text in enumerate(texts):
+            if n:
+                ids.append(special_ids[n - 1])
+            if text:
+                # The processor itself matches no control piece (<s>), but does match the
+                # user-defined ones HF calls special (Gemma's turn markers): spell those out.
+                for i in self.sp.encode(text):
+                    ids.extend(self._spell(self.sp.id_to_piece(i)) if i in self.special_ids
+                               else [i])
+        return ids
+
+    def _spell(self, text: str) -> list[int]:
+        """`text` one character at a time: its piece, else its bytes' pieces (<0xAB>)."""
+        ids = []
+        for ch in text:
+            i = self.token_to_id(ch)
+            if i is None or i in self.special_ids:
+                ids.extend(self.sp.piece_to_id(f"<0x{b:02X}>") for b in ch.encode("utf-8"))
+            else:
+                ids.append(i)
+        return ids
+
+    def pieces(self) -> Iterable[str]:
+        return (self.sp.id_to_piece(i) for i in range(self.vocab_size))
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         if skip_special_tokens:

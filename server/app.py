@@ -13,6 +13,7 @@ large body does not stall the event loop and every stream on it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from importlib import metadata
 
@@ -28,7 +29,7 @@ from starlette.routing import Route
 
 from engine.async_engine import AsyncEngine, Engines
 from server.errors import CLIENT_ERRORS, APIError, api_error
-from server.generation import create_chat_completion, create_completion
+from server.generation import PROMPT_POOL, create_chat_completion, create_completion
 from server.metrics import ServerMetrics
 from server.middleware import APIKeyAuth, HostCheck, RequestLimits
 from server.openapi import ServedModel, openapi_schema
@@ -62,8 +63,10 @@ class Server:
     """The state the handlers share: the engines, the metrics, the reasoning parser."""
 
     def __init__(self, engines: Engines, reasoning_parser: str | None = None,
-                 api_key: bool = False):
+                 api_key: bool = False, allow_special_tokens_in_messages: bool = False):
         self.engines = engines
+        # Special-token text in chat requests parsed as those tokens (the old behaviour).
+        self.allow_special_tokens_in_messages = allow_special_tokens_in_messages
         self.api_key = api_key  # whether requests need one (for /openapi.json)
         self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.metrics = ServerMetrics(engines)
@@ -102,8 +105,9 @@ class Server:
     async def chat_completions(self, request: Request) -> Response:
         req = await self.parse(request, ChatCompletionRequest)
         model, engine = self.engine(req.model)
-        return await create_chat_completion(request, req, model, engine,
-                                            self.metrics.tracker(model), self.reasoning)
+        return await create_chat_completion(
+            request, req, model, engine, self.metrics.tracker(model), self.reasoning,
+            allow_special_tokens_in_messages=self.allow_special_tokens_in_messages)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card(name)
@@ -127,10 +131,13 @@ class Server:
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
             try:
-                text = engine.render_chat([m.for_template() for m in req.messages],
-                                          req.add_generation_prompt)
+                text = await asyncio.get_running_loop().run_in_executor(
+                    PROMPT_POOL, engine.render_chat, [m.for_template() for m in req.messages],
+                    req.add_generation_prompt)
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
+            if self.allow_special_tokens_in_messages:
+                text = str(text)
             ids = await engine.encode(text, add_special_tokens=False)
         else:
             ids = await engine.encode(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -182,9 +189,11 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[str] = (),
               max_body_bytes: int = MAX_BODY_BYTES, max_headers: int = MAX_HEADERS,
               reasoning_parser: str | None = None, allowed_hosts: list[str] | None = None,
-              body_read_timeout: float = BODY_READ_TIMEOUT) -> Starlette:
+              body_read_timeout: float = BODY_READ_TIMEOUT,
+              allow_special_tokens_in_messages: bool = False) -> Starlette:
     """`allowed_hosts`: the Host names served (None or "*": any; see HostCheck)."""
-    server = Server(engines, reasoning_parser, api_key=bool(api_key))
+    server = Server(engines, reasoning_parser, api_key=bool(api_key),
+                    allow_special_tokens_in_messages=allow_special_tokens_in_messages)
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),

@@ -125,6 +125,10 @@ def parser() -> argparse.ArgumentParser:
                         "reasoning_content, the rest to content")
     p.add_argument("--cors-origins", "--allowed-origins", dest="cors_origins", nargs="*",
                    default=[], help="origins allowed by CORS (none by default)")
+    p.add_argument("--allow-special-tokens-in-messages", action="store_true",
+                   help="read special-token text written in chat requests (messages, tool "
+                        "calls and results, tools, chat_template_kwargs) as those tokens, as "
+                        "before; by default only the chat template writes special tokens")
     p.add_argument("--allowed-hosts", metavar="NAMES",
                    help="comma-separated names clients may give as Host (port ignored; "
                         "*.example.com for subdomains; * for any), so that a web page cannot "
@@ -296,7 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(engines, api_key=key, cors_origins=args.cors_origins,
                     max_body_bytes=args.max_body_bytes, max_headers=args.max_headers,
                     reasoning_parser=args.reasoning_parser, allowed_hosts=allowed_hosts(args),
-                    body_read_timeout=args.body_read_timeout)
+                    body_read_timeout=args.body_read_timeout,
+                    allow_special_tokens_in_messages=args.allow_special_tokens_in_messages)
+    if args.allow_special_tokens_in_messages:
+        logger.warning("--allow-special-tokens-in-messages: special-token text in chat "
+                       "requests becomes those tokens (a client can write its own turns)")
     logger.info("Serving %s on http://%s:%d", ", ".join(engines.names()), args.host, args.port)
     try:
         serve(app, args, key_source)

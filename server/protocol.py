@@ -313,8 +313,10 @@ _CHAT_RULES = (
     _when(_given("response_format", _CONSTRAINS),
           {"properties": {"structured_outputs": {"type": "null"}}}),
 )
-# The template's own arguments, which chat_template_kwargs cannot override.
-_TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools")
+# What chat_template_kwargs cannot override: the template's own arguments (the request's fields
+# set them), the model's tokens (its files do) and the helpers transformers gives templates.
+_TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools", "bos_token", "eos_token",
+                       "raise_exception", "strftime_now")
 
 
 class ChatCompletionRequest(_Request):
@@ -341,7 +343,8 @@ class ChatCompletionRequest(_Request):
     def _no_template_arguments(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
         given = [k for k in _TEMPLATE_ARGUMENTS if k in (kwargs or {})]
         if given:
-            raise ValueError(f"{', '.join(given)}: set by the request's own fields")
+            raise ValueError(f"{', '.join(given)}: set by the server (from the request's own "
+                             f"fields or the model's files), not by chat_template_kwargs")
         return kwargs
 
     @model_validator(mode="after")

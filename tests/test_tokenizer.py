@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from models.chat_template import ChatPrompt
 from models.gguf_vocab import CONTROL, NORMAL
 from models.tokenizer import Tokenizer, TokenizerError
 
@@ -107,6 +108,48 @@ def test_default_model_special_tokens(ours, theirs):
     assert ours.chat_template == theirs.chat_template
     with pytest.raises(TokenizerError, match="outside the vocabulary"):
         ours.id_to_token(49152)
+
+
+def _chat_turn(text: str) -> ChatPrompt:
+    """`text` in a ChatML user turn whose two special tokens the template wrote."""
+    turn = f"<|im_start|>user\n{text}<|im_end|>\n"
+    return ChatPrompt(turn, [(0, 12), (len(turn) - 11, len(turn) - 1)])
+
+
+def test_chat_prompt_tokens_are_the_whole_texts(ours):
+    """Tokenized piece by piece between the template's special tokens, a chat is the tokens of
+    its whole text (where the request spells no special token)."""
+    plain = [s for s in STRINGS if not any(t in s for t in ours.special_tokens)]
+    assert len(plain) > 200
+    for s in plain:
+        turn = _chat_turn(s)
+        assert ours.encode(turn, add_special_tokens=False) == ours.encode(str(turn), False), s
+
+
+def test_chat_prompt_spelling_special_tokens_is_text(ours, theirs):
+    forged = [s for s in STRINGS if any(t in s for t in ours.special_tokens)]
+    assert len(forged) > 20
+    for s in forged:
+        ids = ours.encode(_chat_turn(s), add_special_tokens=False)
+        assert [i for i in ids if i in ours.special_token_ids] == [1, 2], s
+        # as transformers tokenizes text whose special tokens it is told to split
+        text = theirs.encode(f"user\n{s}", add_special_tokens=False, split_special_tokens=True)
+        assert ids == [1, *text, 2, 198], s
+        assert ours.decode(ids) == _chat_turn(s)
+    # A plain str of it parses them, wherever they are.
+    assert ours.encode(str(_chat_turn("<|im_end|>")), False).count(2) == 2
+
+
+def test_long_texts_tokenize_as_short_ones(ours):
+    # (over _LONG_TEXT characters the GIL is released: encode_batch, same pipeline)
+    text = LONG_TEXT * 3
+    assert len(text) > 4096
+    assert ours.encode(text) == ours._backend.hf.encode(text, add_special_tokens=False).ids
+
+
+def test_max_token_bytes_bounds_every_token(ours):
+    longest = max(len(ours.decode([i]).encode()) for i in range(ours.vocab_size))
+    assert longest <= ours.max_token_bytes <= 2 * longest
 
 
 def test_tokenizer_json_directory_equals_transformers(ours, theirs, tmp_path):
@@ -229,6 +272,24 @@ def test_tokenizer_model_directory_added_tokens(sp_model, tmp_path):
     _assert_same(Tokenizer.from_path(tmp_path / "saved"), tok, ["hello world"])
     with pytest.raises(TokenizerError, match="beyond tokenizer.model's vocabulary"):
         Tokenizer.from_path(tmp_path)
+
+
+def test_sentencepiece_chat_prompt_spells_out_special_tokens(tmp_path):
+    """The processor matches user-defined pieces (Gemma's turn markers, which HF calls special)
+    in any text: in request text they are spelt out one character at a time."""
+    sp = train_tiny_sentencepiece(tmp_path / "tokenizer.model", bos_id=1, eos_id=2, unk_id=0,
+                                  pad_id=-1, user_defined_symbols=["<turn>"])
+    turn = sp.piece_to_id("<turn>")
+    added = {str(turn): {"content": "<turn>", "special": True}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": added}))
+    tok = Tokenizer.from_path(tmp_path)
+    assert set(tok.special_tokens) == {"<unk>", "<s>", "</s>", "<turn>"}
+    text = "<turn>hello <turn> world</s><s>"
+    assert tok.encode(text, add_special_tokens=False).count(turn) == 2
+    ids = tok.encode(ChatPrompt(text, [(0, 6)]), add_special_tokens=False)
+    assert ids[0] == turn and not set(ids[1:]) & tok.special_token_ids
+    assert tok.decode(ids) == text
+    assert tok.max_token_bytes >= max(len(tok.decode([i]).encode()) for i in range(400))
 
 
 def _write_llama_gguf(path, sp, **overrides):
