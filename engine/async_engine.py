@@ -1,14 +1,17 @@
 """AsyncEngine: one engine thread per model, an asyncio front end, and recovery.
 
 The event loop never touches the device: requests and aborts go to the engine
-thread through a thread-safe inbox; outputs come back to each request's asyncio
-queue with `call_soon_threadsafe`. If the engine thread dies, in-flight requests
-end with an `EngineDeadError`, and the engine is rebuilt from its saved config.
+thread through a thread-safe inbox; outputs (deltas) come back to each request's
+stream with `call_soon_threadsafe`. A stream's backlog is bounded: a consumer that
+lags gets merged deltas, one that stops reading gets its request aborted. If the
+engine thread dies, in-flight requests end with an `EngineDeadError`, and the engine
+is rebuilt from its saved config.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -18,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from engine import cluster
-from engine.config import EngineConfig
+from engine.config import STREAM_BACKLOG_LIMIT, STREAM_MAX_ITEMS, EngineConfig
 from engine.grammar import COMPILE_TIMEOUT_S, GrammarError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -41,6 +44,11 @@ class UnknownModel(KeyError):
     pass
 
 
+class StreamBacklogError(RequestRejected):
+    """A request's undelivered outputs passed their bound: its consumer stopped reading, and
+    the request was aborted."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
     num_running: int = 0
@@ -60,23 +68,31 @@ class EngineStats:
     warm: bool = False
 
 
-def _deliver(batch: list[tuple[asyncio.Queue, object]]) -> None:  # on the event loop
-    for queue_, item in batch:
-        queue_.put_nowait(item)
+def _deliver(batch: list[tuple[RequestStream, object]]) -> None:  # on the event loop
+    for stream, item in batch:
+        stream._push(item)
 
 
 class RequestStream:
-    """One request's outputs as an async iterator. The engine thread feeds it through
-    `call_soon_threadsafe`; `close()` before the last output aborts the request."""
+    """One request's outputs (deltas) as an async iterator. The engine thread feeds it
+    through `call_soon_threadsafe`; `close()` before the last output aborts the request.
+
+    What waits here is bounded: past STREAM_MAX_ITEMS waiting outputs, new ones merge into
+    the last (deltas: the merge holds the new tokens once), and past the engine's
+    `stream_backlog_limit` token ids and logprobs the request is aborted and the consumer,
+    if it ever reads again, gets a StreamBacklogError."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_token_ids: list[int]):
         self.engine = engine
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._items: collections.deque = collections.deque()  # outputs and errors, in order
+        self._ready = asyncio.Event()
+        self.backlog = 0  # token ids and top logprobs in the waiting outputs
         self.finished = False
         self._closed = False
+        self._aborted = False
 
     def put(self, item) -> None:  # engine thread
         RequestStream.put_all([(self, item)])
@@ -88,9 +104,40 @@ class RequestStream:
         streams, where one does)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for stream, item in items:
-            by_loop.setdefault(stream._loop, []).append((stream._queue, item))
+            by_loop.setdefault(stream._loop, []).append((stream, item))
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_deliver, batch)
+
+    def _push(self, item) -> None:  # event loop
+        if self._closed or self._aborted:
+            return  # (what was in flight when it ended)
+        if isinstance(item, RequestOutput):
+            self.backlog += item.size
+            if self.backlog > self.engine.stream_backlog_limit and not item.finished:
+                item = self._abort_backlogged()
+            elif len(self._items) >= STREAM_MAX_ITEMS and isinstance(self._items[-1],
+                                                                     RequestOutput):
+                self._items[-1].add(item)
+                item = None
+        if item is not None:
+            self._items.append(item)
+        self._ready.set()
+
+    def _abort_backlogged(self) -> StreamBacklogError:
+        """Abort the request and drop what waits (the memory goes now, not when the consumer
+        comes back); the error is what the consumer reads next."""
+        limit = self.engine.stream_backlog_limit
+        logger.warning("Request %s aborted: %d token ids and logprobs wait on its stream "
+                       "(limit %d); its client is not reading", self.request_id, self.backlog,
+                       limit)
+        error = StreamBacklogError(f"request {self.request_id} was aborted: its output was not "
+                                   f"read fast enough ({self.backlog} token ids and logprobs "
+                                   f"waiting, limit {limit})")
+        self._items.clear()
+        self.backlog = 0
+        self._aborted = True
+        self.engine.abort(self.request_id)
+        return error
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -98,10 +145,14 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished or self._closed:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             self.close()
             raise item
+        self.backlog -= item.size
         if item.finished:
             self.finished = True
             self.close()
@@ -110,16 +161,19 @@ class RequestStream:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._items.clear()
             if self.finished:
                 self.engine._streams.pop(self.request_id, None)
-            else:
+            elif not self._aborted:
                 self.engine.abort(self.request_id)
 
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig,
-                 factory: Callable[[EngineConfig], LLMEngine] | None = None):
+                 factory: Callable[[EngineConfig], LLMEngine] | None = None,
+                 stream_backlog_limit: int = STREAM_BACKLOG_LIMIT):
         self.config = config
+        self.stream_backlog_limit = stream_backlog_limit  # per stream (RequestStream)
         self.name = config.name or config.model
         self._factory = factory or (lambda cfg: LLMEngine(cfg))
         self.engine = self._build()
@@ -175,8 +229,8 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield outputs as they come; the last one has `finished` set. Leaving the
-        iterator early (a client disconnect) aborts the request."""
+        """Yield outputs (deltas) as they come; the last one has `finished` set. Leaving
+        the iterator early (a client disconnect) aborts the request."""
         stream = await self.add_request(prompt, params, request_id)
         try:
             async for out in stream:
@@ -225,7 +279,7 @@ class AsyncEngine:
             self._chat_template = ChatTemplate.for_tokenizer(self.tokenizer)
         return self._chat_template
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, /,
                     **extra) -> str:
         """The prompt text for a chat; ValueError names what is wrong with the messages."""
         return self.chat_template.render(messages, add_generation_prompt, **extra)

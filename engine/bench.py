@@ -261,12 +261,13 @@ def run(engine: LLMEngine, requests, concurrency: int) -> tuple[dict[str, _Timin
             in_flight += 1
         outs = engine.step()
         now = time.perf_counter()
-        for out in outs:
+        for out in outs:  # (deltas: each holds the tokens new since the last)
             t = timings[out.request_id]
-            if t.first is None and out.outputs[0].token_ids:
+            t.output_len += len(out.outputs[0].token_ids)
+            if t.first is None and t.output_len:
                 t.first = now
             if out.finished:
-                t.end, t.output_len = now, len(out.outputs[0].token_ids)
+                t.end = now
                 in_flight -= 1
     return timings, time.perf_counter() - start
 

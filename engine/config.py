@@ -14,6 +14,13 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 # saves ~0.5-1 ms a token with it (2-core CPU), 8 sequences nothing measurable, and each
 # fused executable holds ~30 MiB more (docs/performance.md).
 FUSED_MAX_SEQS = 1
+# A request's outputs wait on its stream until the consumer takes them (engine/async_engine.py).
+# Past STREAM_MAX_ITEMS waiting outputs a new delta merges into the last one, so a consumer
+# that lags costs memory for the new tokens only; past STREAM_BACKLOG_LIMIT waiting token ids
+# and top logprobs (~130 bytes each as Python objects with 20 top logprobs a token: ~32 MiB)
+# the request is aborted, since a consumer that far behind has stopped reading.
+STREAM_MAX_ITEMS = 16
+STREAM_BACKLOG_LIMIT = 1 << 18
 
 
 def parse_bytes(text: str | int) -> int:

@@ -1,7 +1,8 @@
 """LLMEngine: the synchronous engine for one model (scripts, tests, the engine thread).
 
 `add_request` tokenizes and admits; `step` schedules and dispatches one batch and returns
-the outputs that changed; `generate` loops until done.
+the outputs that changed, as deltas (engine/outputs.py); `generate` loops until done and
+returns whole outputs.
 
 With `async_scheduling` (the default) steps overlap: `step` dispatches step n+1 first and
 only then waits for step n's tokens and hands out its outputs, so the device never waits
@@ -25,7 +26,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.grammar import Grammars, advance
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestOutput, TextState, TokenLogprob
+from engine.outputs import CompletionOutput, RequestOutput, TextState, TokenLogprob, accumulate
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
@@ -184,12 +185,13 @@ class LLMEngine:
                 continue
             req, index = self._by_seq[entry.seq.seq_id]
             text = req.texts[index]
+            logprob = None
             if req.params.logprobs is not None:
                 n = req.params.logprobs
                 top = zip(result.top_ids[i][:n], result.top_logprobs[i][:n], strict=True)
-                text.logprobs.append(TokenLogprob(token, float(result.logprobs[i]),
-                                                  [(int(t), float(lp)) for t, lp in top]))
-            stopped = text.add(token)
+                logprob = TokenLogprob(token, float(result.logprobs[i]),
+                                       [(int(t), float(lp)) for t, lp in top])
+            stopped = text.add(token, logprob)
             matcher = self._matchers.get(entry.seq.seq_id)
             complete = not stopped and matcher is not None and advance(matcher, token)
             if entry.seq.is_finished or complete:  # (a complete grammar: only the end may follow)
@@ -201,15 +203,15 @@ class LLMEngine:
         return [self._output(self.requests[rid], idx) for rid, idx in touched.items()]
 
     def _output(self, req: Request, changed: list[int]) -> RequestOutput:
-        outs = []
+        """The request's delta: what each changed sequence has new since its last output."""
+        outs, changed = [], set(changed)
         for i, (seq, text) in enumerate(zip(req.seqs, req.texts, strict=True)):
-            delta = text.delta(seq.is_finished) if i in changed else ""
-            delta_ids = text.delta_tokens() if i in changed else []
+            new_ids, new_logprobs = text.take() if i in changed else ([], [])
             outs.append(CompletionOutput(
-                index=i, text=text.text, token_ids=list(text.token_ids),
+                index=i, text=text.delta(seq.is_finished) if i in changed else "",
+                token_ids=new_ids,
                 finish_reason=seq.finish_reason if seq.is_finished else None,
-                logprobs=list(text.logprobs) if req.params.logprobs is not None else None,
-                delta=delta, delta_token_ids=delta_ids))
+                logprobs=new_logprobs if req.params.logprobs is not None else None))
         finished = req.finished
         if finished:
             self.requests.pop(req.request_id, None)
@@ -225,13 +227,12 @@ class LLMEngine:
     def generate(self, prompts: Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in the order of `prompts`."""
+        """Run prompts to completion; whole outputs in the order of `prompts`."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        final: dict[str, RequestOutput] = {}
+        whole: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+                whole[out.request_id] = accumulate(whole.get(out.request_id), out)
+        return [whole[i] for i in ids]

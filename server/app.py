@@ -29,7 +29,12 @@ from starlette.routing import Route
 
 from engine.async_engine import AsyncEngine, Engines
 from server.errors import CLIENT_ERRORS, APIError, api_error
-from server.generation import PROMPT_POOL, create_chat_completion, create_completion
+from server.generation import (
+    PROMPT_POOL,
+    STREAM_STALL_TIMEOUT_S,
+    create_chat_completion,
+    create_completion,
+)
 from server.metrics import ServerMetrics
 from server.middleware import APIKeyAuth, HostCheck, RequestLimits
 from server.openapi import ServedModel, openapi_schema
@@ -190,7 +195,8 @@ def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[s
               max_body_bytes: int = MAX_BODY_BYTES, max_headers: int = MAX_HEADERS,
               reasoning_parser: str | None = None, allowed_hosts: list[str] | None = None,
               body_read_timeout: float = BODY_READ_TIMEOUT,
-              allow_special_tokens_in_messages: bool = False) -> Starlette:
+              allow_special_tokens_in_messages: bool = False,
+              stream_stall_timeout: float = STREAM_STALL_TIMEOUT_S) -> Starlette:
     """`allowed_hosts`: the Host names served (None or "*": any; see HostCheck)."""
     server = Server(engines, reasoning_parser, api_key=bool(api_key),
                     allow_special_tokens_in_messages=allow_special_tokens_in_messages)
@@ -222,4 +228,5 @@ def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[s
                 **dict.fromkeys(CLIENT_ERRORS, _api_error)}
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
     app.state.server = server
+    app.state.stream_stall_timeout = stream_stall_timeout  # read by server.generation's streams
     return app

@@ -22,6 +22,7 @@ from engine.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, parse_bytes
 from engine.launch import parse_model_arg, start_engines
 from server.app import BODY_READ_TIMEOUT, MAX_BODY_BYTES, MAX_HEADERS, build_app
 from server.connections import with_deadlines
+from server.generation import STREAM_STALL_TIMEOUT_S
 from server.middleware import LOOPBACK_HOSTS, is_loopback
 from server.reasoning import REASONING_PARSERS
 
@@ -145,6 +146,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--body-read-timeout", type=_seconds, default=BODY_READ_TIMEOUT,
                    metavar="SECONDS", help="a request body not all in this long after its "
                                            "headers: 408 and the connection closed")
+    p.add_argument("--stream-stall-timeout", type=_seconds, default=STREAM_STALL_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="end a streamed response, aborting its requests, when a write to its "
+                        "client has waited this long (the client stopped reading)")
     p.add_argument("--limit-concurrency", type=int, default=LIMIT_CONCURRENCY, metavar="N",
                    help="at N open connections (busy or idle) or requests in flight, new "
                         "requests get 503; 0: no cap")
@@ -225,9 +230,11 @@ def serve(app, args, key_source: str) -> None:
     if limit:
         allow_open_files(limit)
     logger.info("HTTP: Host names allowed: %s; API key: %s; keep-alive %d s; headers within "
-                "%g s, bodies within %g s; %s", ", ".join(allowed_hosts(args)),
+                "%g s, bodies within %g s; streams cut after %g s without a completed write; "
+                "%s", ", ".join(allowed_hosts(args)),
                 "none" if key_source == "none" else f"from {key_source}",
                 args.timeout_keep_alive, args.header_read_timeout, args.body_read_timeout,
+                args.stream_stall_timeout,
                 f"503 from {limit} connections" if limit else "no connection cap")
     for warning in http_warnings(args, key_source):
         logger.warning(warning)
@@ -301,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                     max_body_bytes=args.max_body_bytes, max_headers=args.max_headers,
                     reasoning_parser=args.reasoning_parser, allowed_hosts=allowed_hosts(args),
                     body_read_timeout=args.body_read_timeout,
+                    stream_stall_timeout=args.stream_stall_timeout,
                     allow_special_tokens_in_messages=args.allow_special_tokens_in_messages)
     if args.allow_special_tokens_in_messages:
         logger.warning("--allow-special-tokens-in-messages: special-token text in chat "

@@ -4,6 +4,10 @@ A request's prompts (a batch for completions, one rendered chat otherwise) each
 become one engine request with `n` sequences; choice `i * n + j` is sequence `j`
 of prompt `i`. Whatever way the HTTP exchange ends (done, error, client gone), every
 engine request it started is closed, which aborts the unfinished ones.
+
+Work on a prompt is bounded before it starts: chat templates run off the event loop (in
+`PROMPT_POOL`), and a prompt text longer in bytes than `max_model_len` tokens could spell is
+refused before it is tokenized.
 """
 
 from __future__ import annotations
@@ -11,16 +15,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_engine import AsyncEngine, RequestStream
 from engine.grammar import GrammarError
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob, accumulate
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from server.errors import APIError, api_error
 from server.metrics import RequestTracker
@@ -29,6 +35,15 @@ from server.reasoning import ReasoningParser, ReasoningStream
 from server.tool_parsers import ToolCall, ToolCallDelta, ToolParser, ToolStream, parser_for_template
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+# Renders chat templates for all requests, off the event loop. Two threads: a long render holds
+# the GIL in slices, so more would only slow the loop down, not the renders.
+PROMPT_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chat-template")
+# --stream-stall-timeout: a streamed response whose write waits longer than this (the client
+# stopped reading and the connection's buffers are full) is ended and its requests aborted.
+# The app sets its own (`app.state.stream_stall_timeout`; None turns the check off).
+STREAM_STALL_TIMEOUT_S = 60.0
+
+logger = logging.getLogger(__name__)
 
 
 class Generation:
@@ -64,6 +79,8 @@ class Generation:
     async def start(self, prompts: list[str | list[int]], add_special_tokens: bool) -> None:
         try:
             for i, prompt in enumerate(prompts):
+                if isinstance(prompt, str):
+                    _check_prompt_bytes(self.engine, prompt, self.chat)
                 try:
                     stream = await self.engine.add_request(prompt, self.params, f"{self.id}-{i}",
                                                            add_special_tokens, self.cache_salt)
@@ -82,17 +99,21 @@ class Generation:
         for stream in self.streams:
             stream.close()
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) from all prompts as they come."""
-        queue: asyncio.Queue = asyncio.Queue()
+    async def outputs(self, logprobs: bool = False) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from all prompts as they come. The outputs are deltas;
+        `self.last[i]` folds prompt i's into its whole output so far (with the logprobs only
+        when asked: a stream has sent them)."""
+        # Bounded: while the consumer is not reading, outputs wait on the engine's streams,
+        # whose backlog is bounded, instead of piling up here.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(self.streams))
 
         async def pump(i: int, stream: RequestStream):
             try:
                 async for out in stream:
-                    queue.put_nowait((i, out))
+                    await queue.put((i, out))
             except Exception as e:
-                queue.put_nowait((i, e))
-            queue.put_nowait((i, None))
+                await queue.put((i, e))
+            await queue.put((i, None))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
         try:
@@ -105,7 +126,7 @@ class Generation:
                 if isinstance(item, Exception):
                     raise item
                 self.tracker.output(item)
-                self.last[i] = item
+                self.last[i] = accumulate(self.last.get(i), item, logprobs)
                 yield i, item
         finally:
             for t in tasks:
@@ -136,7 +157,7 @@ class Generation:
                              "choices": choices, "usage": self.usage()})
 
     async def _collect(self) -> None:
-        async for _ in self.outputs():
+        async for _ in self.outputs(logprobs=True):
             pass
 
     def _choice(self, i: int, c: CompletionOutput) -> dict:
@@ -226,9 +247,8 @@ class Generation:
                     index = i * n + c.index
                     if index in finished:
                         continue
-                    lps = c.logprobs[-len(c.delta_token_ids):] if (
-                        c.logprobs is not None and c.delta_token_ids) else None
-                    if not (c.delta or lps or c.finish_reason):
+                    lps = c.logprobs or None  # (a delta: the new tokens' logprobs)
+                    if not (c.text or lps or c.finish_reason):
                         continue
                     logprobs = (self._chat_logprobs(lps) if self.chat
                                 else self._completion_logprobs(lps, 0)) if lps else None
@@ -237,8 +257,8 @@ class Generation:
                         if not (content or lps or finish):
                             continue  # held back: maybe the start of a tag or a call
                     else:
-                        content, finish = c.delta, _FINISH.get(c.finish_reason)
-                    yield self._chunk(index, content, logprobs, finish, c.delta_token_ids)
+                        content, finish = c.text, _FINISH.get(c.finish_reason)
+                    yield self._chunk(index, content, logprobs, finish, c.token_ids)
                     if c.finish_reason:
                         finished.add(index)
             if self.include_usage:
@@ -254,7 +274,7 @@ class Generation:
         first, then tool calls parsed from the content."""
         finish = _FINISH.get(c.finish_reason)
         delta: dict = {}
-        text = c.delta
+        text = c.text  # (the output is a delta)
         if self.reasoning is not None:
             thinking = self._reasoning_streams.setdefault(index,
                                                           self.reasoning.stream(self.prompt))
@@ -292,19 +312,45 @@ class Generation:
         return _sse(body)
 
 
+class _Stalled(Exception):
+    pass
+
+
 class _ClosingStream(StreamingResponse):
     """A streamed response that closes its engine requests however it ends (even when
-    the client leaves before the first byte, when the body iterator never starts)."""
+    the client leaves before the first byte, when the body iterator never starts), and
+    that ends when a write has waited longer than the stall timeout: a client that stopped
+    reading blocks `send` once the connection's buffers are full, and without this would
+    hold its engine requests (their KV pages and the outputs nobody reads) for good."""
 
     def __init__(self, content, on_close, **kwargs):
         super().__init__(content, **kwargs)
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send):
+        app_state = getattr(scope.get("app"), "state", None)
+        timeout = getattr(app_state, "stream_stall_timeout", STREAM_STALL_TIMEOUT_S)
+
+        async def send_or_stall(message):
+            try:
+                async with asyncio.timeout(timeout or None):
+                    await send(message)
+            except TimeoutError:
+                raise _Stalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_stall)
+        except _Stalled:  # returning unfinished: the server closes the connection
+            client = scope.get("client") or ("?", 0)
+            logger.warning("Stream to %s:%s (%s) closed: no write completed in %g s (the "
+                           "client stopped reading); its requests are aborted",
+                           client[0], client[1], scope.get("path"), timeout)
         finally:
             self._on_close()
+            try:  # its generators' cleanup now (outputs() cancels its readers), not at GC
+                await self.body_iterator.aclose()
+            except RuntimeError:  # (already running: it ends with its own task)
+                pass
 
 
 def _call(call: ToolCall) -> dict:
@@ -335,6 +381,36 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _check_prompt_bytes(engine: AsyncEngine, prompt: str, chat: bool) -> None:
+    """A 400 for a text longer than `max_model_len` tokens of this model can spell, before
+    anyone tokenizes it: the engine's length check needs the tokens, and a multi-megabyte text
+    takes seconds to tokenize."""
+    per_token = engine.tokenizer.max_token_bytes
+    limit = engine.max_model_len * per_token
+    if len(prompt) > limit or len(prompt.encode("utf-8", "surrogatepass")) > limit:
+        what = "the rendered chat" if chat else "the prompt"
+        raise APIError(400, f"{what} is more than {limit} bytes long: more than this model's "
+                            f"maximum context length of {engine.max_model_len} tokens can hold "
+                            f"(at most {per_token} bytes a token)",
+                       param="messages" if chat else "prompt", code="context_length_exceeded")
+
+
+def _render_chat(engine: AsyncEngine, req: ChatCompletionRequest
+                 ) -> tuple[str, ToolParser | None]:
+    """The chat's prompt text and the parser of its replies' tool calls (in PROMPT_POOL)."""
+    extra = dict(req.chat_template_kwargs or {})
+    parser = None
+    try:
+        if req.tool_mode != "none":
+            parser = parser_for_template(engine.chat_template.source)
+            extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        prompt = engine.render_chat([m.for_template() for m in req.messages],
+                                    req.add_generation_prompt, **extra)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+    return prompt, parser
+
+
 # ---- the two endpoints ----------------------------------------------------------------------
 
 
@@ -349,19 +425,16 @@ async def create_completion(request: Request, req: CompletionRequest, model: str
 
 async def create_chat_completion(request: Request, req: ChatCompletionRequest, model: str,
                                  engine: AsyncEngine, tracker: RequestTracker,
-                                 reasoning: ReasoningParser | None = None) -> Response:
+                                 reasoning: ReasoningParser | None = None,
+                                 allow_special_tokens_in_messages: bool = False) -> Response:
+    """`allow_special_tokens_in_messages`: special-token text in the request (`<|im_end|>` in a
+    message) becomes those tokens, as it did before; by default only the template writes them."""
     params = req.to_sampling_params()
     structured_param = req.structured_field
-    extra = dict(req.chat_template_kwargs or {})
-    parser = None
-    try:
-        if req.tool_mode != "none":
-            parser = parser_for_template(engine.chat_template.source)
-            extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-        prompt = engine.render_chat([m.for_template() for m in req.messages],
-                                    req.add_generation_prompt, **extra)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
+    prompt, parser = await asyncio.get_running_loop().run_in_executor(
+        PROMPT_POOL, _render_chat, engine, req)
+    if allow_special_tokens_in_messages:
+        prompt = str(prompt)  # a plain str: every special token's text is parsed
     if req.tool_mode in ("required", "named"):  # the reply is calls: constrain it to them
         tools = [{"name": t.function.name, "parameters": t.function.parameters}
                  for t in req.active_tools()]

@@ -113,7 +113,7 @@ class RequestTracker:
 
     def output(self, out: RequestOutput) -> None:
         now = time.perf_counter()
-        new = sum(len(c.delta_token_ids) for c in out.outputs)
+        new = sum(len(c.token_ids) for c in out.outputs)  # (outputs are deltas)
         if new:
             self.m.generation_tokens.labels(self.model).inc(new)
             if not self.first:

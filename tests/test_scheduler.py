@@ -9,6 +9,7 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.outputs import accumulate
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected, Scheduler, SchedulerStuck
 from engine.sequence import PENDING, Sequence
@@ -222,9 +223,9 @@ def test_overlap_on_and_off_agree_under_preemption_and_aborts(overlap):
         while eng.has_unfinished():
             steps += 1
             if steps == 7:
-                outs[ids[2]] = eng.abort(ids[2])
-            for o in eng.step():
-                outs[o.request_id] = o
+                outs[ids[2]] = accumulate(outs.get(ids[2]), eng.abort(ids[2]))
+            for o in eng.step():  # (deltas: folded into each request's whole output)
+                outs[o.request_id] = accumulate(outs.get(o.request_id), o)
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
         eng.block_manager.check_invariants()
         return ({k: (o.outputs[0].token_ids, o.outputs[0].finish_reason)
