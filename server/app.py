@@ -32,6 +32,7 @@ from server.errors import CLIENT_ERRORS, APIError, api_error
 from server.generation import (
     PROMPT_POOL,
     STREAM_STALL_TIMEOUT_S,
+    check_prompt_bytes,
     create_chat_completion,
     create_completion,
 )
@@ -143,8 +144,10 @@ class Server:
                 raise APIError(400, str(e), param="messages") from None
             if self.allow_special_tokens_in_messages:
                 text = str(text)
+            check_prompt_bytes(engine, text, chat=True)
             ids = await engine.encode(text, add_special_tokens=False)
         else:
+            check_prompt_bytes(engine, req.prompt, chat=False)
             ids = await engine.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len,
                              "tokens": ids})

@@ -80,7 +80,7 @@ class Generation:
         try:
             for i, prompt in enumerate(prompts):
                 if isinstance(prompt, str):
-                    _check_prompt_bytes(self.engine, prompt, self.chat)
+                    check_prompt_bytes(self.engine, prompt, self.chat)
                 try:
                     stream = await self.engine.add_request(prompt, self.params, f"{self.id}-{i}",
                                                            add_special_tokens, self.cache_salt)
@@ -381,7 +381,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _check_prompt_bytes(engine: AsyncEngine, prompt: str, chat: bool) -> None:
+def check_prompt_bytes(engine: AsyncEngine, prompt: str, chat: bool) -> None:
     """A 400 for a text longer than `max_model_len` tokens of this model can spell, before
     anyone tokenizes it: the engine's length check needs the tokens, and a multi-megabyte text
     takes seconds to tokenize."""

@@ -232,6 +232,8 @@ def test_a_reboot_frees_the_dead_engines_device_memory_first(default_gguf):
     """Weights and KV pages of the dead engine are gone before the next one is built, so
     live device bytes never hold two engines (at --gpu-memory-utilization 0.9 that would
     not fit)."""
+    import gc
+
     import jax
 
     from engine.async_engine import AsyncEngine
@@ -239,6 +241,7 @@ def test_a_reboot_frees_the_dead_engines_device_memory_first(default_gguf):
     from engine.llm_engine import LLMEngine
 
     def live_bytes() -> int:
+        gc.collect()  # an earlier test's engine, unreachable but not yet collected, is not ours
         return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
 
     before_build = live_bytes()
