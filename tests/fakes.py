@@ -107,14 +107,14 @@ def serving(engines: Engines, **app_options):
         thread.join(30)
 
 
-def wait_until(cond, timeout=30.0) -> bool:
+def wait_until(cond, timeout=30.0, interval=0.01) -> bool:
     """Poll `cond` until it holds; the bound only turns a bug into a failure (a loaded CI
     machine can take seconds to reboot an engine)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if cond():
             return True
-        time.sleep(0.01)
+        time.sleep(interval)
     return False
 
 

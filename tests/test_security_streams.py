@@ -11,7 +11,6 @@ import json
 import logging
 import re
 import socket
-import time
 from urllib.parse import urlparse
 
 import httpx
@@ -144,15 +143,6 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-def _wait(cond, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.2)
-    return False
-
-
 # Chat: its logprobs carry each token's bytes, so the connection's buffers fill sooner.
 BODY = {"messages": [{"role": "user", "content": "Tell me a long story."}], "n": 16,
         "logprobs": True, "top_logprobs": 20, "max_tokens": MAX_TOKENS, "ignore_eos": True,
@@ -178,15 +168,15 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_memory_freed(server):
         # ... and never reads. It is aborted (not finished: 16,000 tokens take far longer
         # than the connection's buffers do to fill), its KV pages free again.
         aborts = before["request_aborts_total"] + 1
-        assert _wait(lambda: (m := _metrics(url))["request_aborts_total"] == aborts
-                     and m["num_requests_running"] == 0
-                     and m["num_free_kv_blocks"] == m["num_kv_blocks"], 300)
+        assert wait_until(lambda: (m := _metrics(url))["request_aborts_total"] == aborts
+                          and m["num_requests_running"] == 0
+                          and m["num_free_kv_blocks"] == m["num_kv_blocks"], 300, interval=0.2)
         # The server's resident memory (its /proc/self/stat, as /metrics reports it): flat.
         # (Before outputs were deltas it grew by ~240 MiB here and stayed so.)
         rss = [m["process_resident_memory_bytes"] / 2**20 for m in (before, _metrics(url))]
         print(f"server RSS {rss[0]:.0f} MiB -> {rss[1]:.0f} MiB")
         assert rss[1] - rss[0] < 100
-        assert _wait(lambda: "client stopped reading" in log.read_text(), 30)
+        assert wait_until(lambda: "client stopped reading" in log.read_text(), 30, interval=0.2)
         # The server closed the connection: what it had written drains to EOF, unfinished.
         sock.settimeout(60)
         got = b""
