@@ -14,14 +14,18 @@ from fakes import make_engine, serving
 from test_bad_input import ROUTES, holds_nothing, post, with_value
 
 from engine.async_engine import Engines
+from engine.outputs import accumulate
 from engine.sampling_params import INT_MAX, SamplingParams, SamplingParamsError
 
 
 async def _finish(engine, params: SamplingParams, **kwargs):
+    """The whole output of one request (its stream carries deltas)."""
     stream = await engine.add_request([1, 2, 3], params, **kwargs)
+    whole = None
     async for out in stream:
+        whole = accumulate(whole, out)
         if out.finished:
-            return out
+            return whole
     raise AssertionError("the stream ended without a finished output")
 
 
