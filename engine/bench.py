@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from engine.config import EngineConfig
+from engine.config import LAYER_LOOPS, EngineConfig
 from engine.device import size_kv
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, StepResult
@@ -72,6 +72,39 @@ def measure_ceilings(dtype, m: int, k: int, n: int) -> dict:
     tc = _best(lambda: cp(x).block_until_ready(), 10)
     return {"matmul_flops_per_s": 2 * m * k * n / t, "matmul_shape": [m, k, n],
             "copy_bytes_per_s": 2 * x.nbytes / tc}
+
+
+def read_bandwidth(nbytes: int) -> float:
+    """Bytes a second the device reads: a sum over an `nbytes` float32 array (it reads the
+    array and writes one number), the rate a decode's weight reads are held to."""
+    x = jnp.arange(nbytes // 4, dtype=jnp.float32)
+    total = jax.jit(jnp.sum)
+    seconds = _best(lambda: total(x).block_until_ready(), 10)
+    return x.nbytes / seconds
+
+
+def weight_copies(runner: ModelRunner) -> dict[str, int]:
+    """Instructions of each compiled one-row step that write a whole layer matrix (a weight
+    copied or converted before its product; views and constant slices write nothing): 0
+    when every product reads its weights in place. By executable, for those whose optimized
+    program can be read."""
+    from models.registry import param_specs
+    from ops.bench_quantization import materialized
+
+    num_layers = runner.model_config.num_layers
+    shapes = {tuple(a.shape[1:]) for a in runner.params
+              if a.ndim == 3 and a.shape[0] == num_layers and a.shape[1] * a.shape[2] >= 1 << 16}
+    shapes |= {spec.shape[1:] for name, spec in param_specs(runner.model_config).items()
+               if name.startswith("layers.") and len(spec.shape) == 3}
+    found = {}
+    for bucket in (("step", 1), ("tokens", 1)):
+        executable = runner._executables.get(bucket)
+        try:
+            hlo = executable.as_text()
+        except Exception:  # not compiled here (loaded), or no text from this backend
+            continue
+        found[f"{bucket[0]}{bucket[1]}"] = sum(materialized(hlo, o, i) for o, i in shapes)
+    return found
 
 
 def dense_seconds(runner: ModelRunner, num_tokens: int = 1, repeats: int = 30) -> float:
@@ -113,7 +146,8 @@ def build_engine(args) -> LLMEngine:
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, attention_backend=args.attention_backend,
                   tensor_parallel_size=args.tensor_parallel_size,
-                  async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant)
+                  async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant,
+                  layer_loop=args.layer_loop)
     if args.random_weights:
         from models.loader import resolve_dtype
         from models.presets import preset_config
@@ -352,6 +386,8 @@ def main(argv=None) -> int:
                    help="overlap each step with the host work of the one before (default: on)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="rows computed alike in any batch (EngineConfig.batch_invariant)")
+    p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
+                   help="auto, scan or unroll (EngineConfig.layer_loop)")
     p.add_argument("--simulate-device-ms", type=float, default=None,
                    help="measure the host path alone against a simulated device whose step "
                         "takes this long (no model runs)")
@@ -369,10 +405,14 @@ def main(argv=None) -> int:
         _print(simulate(args), args.output)
         return 0
 
+    # Read before the KV pool takes the device's memory: 4 GiB on an accelerator.
+    read_bytes_per_s = read_bandwidth(256 << 20 if jax.default_backend() == "cpu" else 4 << 30)
+    built = time.perf_counter()
     engine = build_engine(args)
     start = time.perf_counter()
     engine.runner.warmup()
     warmup_s = time.perf_counter() - start
+    ready_s = time.perf_counter() - built  # weights made or loaded, KV pool, warmup
     cfg = engine.runner.model_config
     ceilings = measure_ceilings(engine.runner.dtype, args.max_num_seqs, cfg.hidden_size,
                                 cfg.intermediate_size)
@@ -391,8 +431,11 @@ def main(argv=None) -> int:
            "model": engine.config.model, "dtype": str(np.dtype(engine.runner.dtype)),
            "quantization": args.quantization,
            "kv_cache_dtype": engine.runner.kv_dtype.name,
-           "warmup_s": warmup_s, "num_executables": len(engine.config.buckets()), **ceilings,
-           "dense_t1_ms": dense_t1 * 1e3,
+           "ready_s": ready_s, "warmup_s": warmup_s,
+           "num_executables": len(engine.config.buckets()),
+           "num_blocks": engine.config.total_blocks, **ceilings,
+           "read_bytes_per_s": read_bytes_per_s, "dense_t1_ms": dense_t1 * 1e3,
+           "weight_copies": weight_copies(engine.runner),
            **summarize(engine, timings, duration, ceilings), "args": vars(args)}
     res["median_tpot_over_dense_t1"] = res["median_tpot_ms"] / res["dense_t1_ms"]
     _print(res, args.output)

@@ -10,10 +10,10 @@ the same runner (same fingerprint, so the same store directory) and compiles eac
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import pickle
 import sys
 
+from engine import device
 from engine.model_runner import ModelRunner
 
 
@@ -24,7 +24,7 @@ def main(path: str) -> int:
     if runner.store is None:
         print("no executable store in the child", file=sys.stderr)
         return 1
-    workers = min(2, os.cpu_count() or 1)  # as in warmup: XLA compiles largely on one thread
+    workers = device.compile_workers()  # as in warmup
     # What does not reach the store (a backend that cannot serialize) the parent compiles.
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         for _ in pool.map(runner.compile_bucket, buckets):

@@ -10,6 +10,8 @@ import functools
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "w8a8")
 # The --kv-cache-dtype choices: ops.attention.KV_CACHE_DTYPES (held equal by a test too).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+# The --layer-loop choices (models.llama.unrolls_layers).
+LAYER_LOOPS = ("auto", "scan", "unroll")
 # Decodes of up to this many sequences run body and head as one executable: a lone decode
 # saves ~0.5-1 ms a token with it (2-core CPU), 8 sequences nothing measurable, and each
 # fused executable holds ~30 MiB more (docs/performance.md).
@@ -85,6 +87,12 @@ class EngineConfig:
     # default: on the 2-core CPU it cost ~40% of the throughput at 64 streams and ~70% of the
     # time to first token at one (docs/performance.md).
     batch_invariant: bool = False
+    # How the model loops over its layers (models.llama.LAYER_LOOPS): auto unrolls them on a
+    # GPU, where XLA reads each layer's weights in place only at a constant index, and scans
+    # them elsewhere (compile time flat in depth).
+    layer_loop: str = "auto"
+    # "dummy": random weights of the model's shapes instead of its files (benchmarks).
+    load_format: str = "auto"
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
@@ -99,6 +107,11 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, "
+                             f"got {self.layer_loop!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

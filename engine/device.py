@@ -118,6 +118,17 @@ def resident_bytes() -> int | None:
         return None
 
 
+def compile_workers() -> int:
+    """Executables the warmup compiles at once. XLA compiles one largely on one thread: two
+    at a time on a CPU host (its cores also run the device); an accelerator's host has cores
+    to spare, and unrolled layers make each compilation longer (models.llama.unrolls_layers),
+    so up to eight there."""
+    cores = os.cpu_count() or 1
+    if jax.default_backend() == "cpu":
+        return min(2, cores)
+    return max(1, min(8, cores // 2))
+
+
 def device_memory_bytes() -> int:
     """Memory of one device: the accelerator's limit, or physical RAM on CPU."""
     stats = jax.local_devices()[0].memory_stats() or {}
@@ -225,7 +236,7 @@ MAX_CONFIGURATIONS = 32  # fingerprint directories kept; the least recently used
 # KV cache's shape, which the key holds).
 _IRRELEVANT = {"model", "name", "max_waiting_requests", "seed", "enable_prefix_caching",
                "gpu_memory_utilization", "num_blocks",
-               "async_scheduling"}
+               "async_scheduling", "load_format"}
 
 
 def _code_digest() -> str:

@@ -46,6 +46,7 @@ from engine.batch import (
 )
 from engine.config import EngineConfig
 from engine.grammar import mask_words
+from models.llama import unrolls_layers
 from models.loader import (
     describe_quant,
     load_config,
@@ -138,7 +139,8 @@ class ModelRunner:
             if sized_here:
                 model = load_model(config.model, dtype=config.dtype,
                                    attention_backend=config.attention_backend, mesh=mesh,
-                                   quantization=config.quantization)
+                                   quantization=config.quantization,
+                                   load_format=config.load_format)
         if model is None:
             # Zeroing the KV pages (5.6 GiB at the CPU defaults: ~3 s) is memory-bound and
             # loading the weights is dequantization: one runs beside the other.
@@ -148,13 +150,15 @@ class ModelRunner:
                     resolve_kv_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype)), mesh)
                 model = load_model(config.model, dtype=config.dtype,
                                    attention_backend=config.attention_backend, mesh=mesh,
-                                   quantization=config.quantization)
+                                   quantization=config.quantization,
+                                   load_format=config.load_format)
                 kv = kv.result()
         self.mesh = model.mesh
         self.model_config = model.cfg  # with a mesh: KV heads repeated up to its size if fewer
         self.dtype = model.dtype
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         model.batch_invariant = config.batch_invariant
+        model.unroll_layers = unrolls_layers(config.layer_loop, model.native_matmuls)
         self.graphdef, self.state = nnx.split(model)
         # Steps take the parameters as a flat list: a list flattens in the dispatcher's C++,
         # an nnx.State through Python callbacks, per leaf, at every call.
@@ -363,8 +367,9 @@ class ModelRunner:
         return step.lower(*device_args, *jax.tree.map(abstract, host_args)).compile(options)
 
     def warmup(self, progress=None) -> float:
-        """Compile every executable of the table (two at a time: XLA's compiler is largely
-        single-threaded) and run each once on padding; returns seconds taken."""
+        """Compile every executable of the table (several at a time: XLA's compiler is largely
+        single-threaded; engine.device.compile_workers) and run each once on padding; returns
+        seconds taken."""
         logger.info("Beginning dummy run.")
         rss_before = device.resident_bytes()
         start = time.perf_counter()
@@ -375,7 +380,7 @@ class ModelRunner:
             if missing:
                 self._compile_in_child(missing)
         bar = progress_bar(total=len(buckets), desc="Compiling", unit="executable")
-        workers = 1 if self.cluster is not None else min(2, os.cpu_count() or 1)
+        workers = 1 if self.cluster is not None else device.compile_workers()
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             futures = {pool.submit(self.compile_bucket, b): b for b in buckets}
             for n, done in enumerate(concurrent.futures.as_completed(futures), 1):

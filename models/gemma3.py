@@ -75,7 +75,7 @@ class Gemma3(Llama):
     def norm(self, x, w):
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(mean_square(xf) + self.cfg.rms_norm_eps)
-        return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+        return (xf * (1.0 + w.astype(jnp.float32))).astype(self.dtype)
 
     def qk_norm(self, q, k, p):
         return self.norm(q, p["q_norm"]), self.norm(k, p["k_norm"])

@@ -7,8 +7,8 @@ derive from that table. Layers are stacked on a leading axis and run under
 `lax.scan`, so compile time does not grow with depth; layers of different kinds
 (Gemma 3's sliding and full ones) are scanned a period of kinds at a time. The forward
 pass is one ragged batch of tokens over the paged KV cache (see ops/attention.py).
-`XLASERVE_UNROLL_LAYERS=1` unrolls the layers instead (`unroll_layers`: XLA:GPU copies a
-weight sliced at a loop index before its product).
+On a GPU the layers are unrolled instead (`unroll_layers`, `--layer-loop`): XLA:GPU copies
+a weight sliced at a loop index before its product, and reads a constant slice in place.
 
 A family differs from Llama by overriding the class methods that describe its
 parameters and tensor names, and the steps of `layer` (`qk_norm`, `mlp`, or `layer`
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +114,15 @@ class _Stack(nnx.Module):
     def __init__(self, params: dict[str, nnx.Param]):
         for name, p in params.items():
             setattr(self, name, p)
+
+
+def unrolls_layers(layer_loop: str, native_matmuls: bool) -> bool:
+    """Whether the layers run unrolled for `layer_loop` (auto, scan or unroll: the engine's
+    --layer-loop); "auto" unrolls on a GPU. The CPU kernel's quantized products take the
+    stack and the layer index, so under it the loop stays a scan."""
+    if native_matmuls:
+        return False
+    return layer_loop == "unroll" or (layer_loop == "auto" and jax.default_backend() == "gpu")
 
 
 class Llama(nnx.Module):
@@ -231,14 +239,13 @@ class Llama(nnx.Module):
         # Quantized weight-only matmuls of a few float32 rows run in xlaserve's CPU kernel
         # (ops/native) on one CPU device; elsewhere XLA's dot.
         self.native_matmuls = runs_native(dtype, quant or {}, sharded=mesh is not None)
-        # XLASERVE_UNROLL_LAYERS=1 runs the layers unrolled, each one's weights sliced at a
-        # constant index. XLA:GPU copies a weight sliced at a loop index before its cuBLAS
-        # product (3x the bytes: an H200 ran a 4096 x 14336 bfloat16 layer in 0.14 ms
-        # scanned, 0.047 unrolled) and reads a constant slice in place; but compile time grows
-        # with depth, and Llama-3-8B's engine bench did not finish its warmup in 65 s there
-        # (12 s scanned). Off until measured whole (docs/performance.md).
-        self.unroll_layers = (os.environ.get("XLASERVE_UNROLL_LAYERS", "0") == "1"
-                              and not self.native_matmuls)
+        # How the layers loop (the engine sets it from --layer-loop): on a GPU
+        # unrolled, each layer's weights sliced at a constant index, which XLA:GPU reads in
+        # place; a slice at a loop index it copies whole before the product (3x the bytes: an
+        # H200 ran a 4096 x 14336 bfloat16 layer in 0.14 ms scanned, 0.047 unrolled). Elsewhere
+        # scanned: compile time does not grow with depth (unrolled compiled ~6x slower on CPU),
+        # and the CPU kernel reads a quantized stack at the layer index itself.
+        self.unroll_layers = unrolls_layers("auto", self.native_matmuls)
         # --batch-invariant: our CPU kernels at every row count, and attention that never cuts
         # a lone decode over the threads, so a row's numbers do not depend on its batch
         # (docs/architecture.md, "Batch-invariant rows"). Set by the engine before it splits
@@ -273,7 +280,11 @@ class Llama(nnx.Module):
         """The model body: embeddings and every layer, updating the cache."""
         cfg = self.cfg
         top = self.top_params()
-        x = self.embed_tokens(top, tokens)  # [T, E]
+        # The residual stream stays float32 between layers (as llama.cpp's does); each norm
+        # hands its sublayer the compute dtype. In bfloat16 that keeps the sum of 30-odd
+        # layers from rounding at every add (the default model's teacher-forced agreement
+        # with transformers' float32 tokens: 0.978 with a bfloat16 stream).
+        x = self.embed_tokens(top, tokens).astype(jnp.float32)  # [T, E]
         layer_params = nnx.to_pure_dict(nnx.state(self.layers))
         kinds = tuple(LayerKind(cfg.layer_window(i), cfg.rope_local_theta is not None
                                 and cfg.layer_window(i) is not None)
@@ -335,7 +346,8 @@ class Llama(nnx.Module):
         return embedding(vocab_matrix(top, "embed"), tokens, self.dtype)
 
     def norm(self, x: jax.Array, w: jax.Array) -> jax.Array:
-        return rms_norm(x, w, self.cfg.rms_norm_eps)
+        """x (the float32 stream, or a sublayer's output) normed, in the compute dtype."""
+        return rms_norm(x, w, self.cfg.rms_norm_eps).astype(self.dtype)
 
     def layer(self, x, cache, p, idx, kind: LayerKind, step: _Step):
         """One decoder layer: (x, cache) -> (x, cache)."""

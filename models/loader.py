@@ -89,13 +89,23 @@ def load_host_params(path: str | Path, cfg: ModelConfig, dtype,
 
 def load_model(path: str | Path, dtype: str | None = None,
                attention_backend: str = "reference", mesh=None,
-               quantization: str | None = None) -> Llama:
+               quantization: str | None = None, load_format: str = "auto") -> Llama:
     """Load weights from any supported source onto the default device, or with a
     tensor-parallel `mesh` straight into their shards (models/sharding.py). `quantization`
     (ops/quantization.py CHOICES; None: "none", every weight float): "auto" keeps a GGUF's
     Q8_0/Q4_0/Q4_1 blocks, "int8"/"int4" quantize the matrices as they load; an Orbax
-    checkpoint holds its own (scripts/convert.py --quantization) and takes no other."""
+    checkpoint holds its own (scripts/convert.py --quantization) and takes no other.
+    `load_format` "dummy": random weights of the model's shapes, made on the devices
+    (benchmarks of a model whose weights are not at hand: its config is enough)."""
     jdtype = resolve_dtype(dtype)
+    if load_format == "dummy":
+        from models.weights import random_model
+
+        return random_model(load_config(path), jdtype, attention_backend=attention_backend,
+                            mesh=mesh, quantization=None if quantization == "auto"
+                            else quantization)
+    if load_format != "auto":
+        raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     start = time.perf_counter()
     cfg = run_cfg = load_config(path)
     repeats = 1

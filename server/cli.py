@@ -18,7 +18,7 @@ from pathlib import Path
 
 import uvicorn
 
-from engine.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, parse_bytes
+from engine.config import KV_CACHE_DTYPES, LAYER_LOOPS, QUANTIZATION_CHOICES, parse_bytes
 from engine.launch import parse_model_arg, start_engines
 from server.app import BODY_READ_TIMEOUT, MAX_BODY_BYTES, MAX_HEADERS, build_app
 from server.connections import with_deadlines
@@ -120,6 +120,14 @@ def parser() -> argparse.ArgumentParser:
                    help="a request's numbers do not depend on what shares its steps, so a "
                         "seeded request samples the same tokens alone or under load (CPU; "
                         "slower: see the README)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights of the model's shapes instead of its files, "
+                        "for benchmarks (the directory needs only config.json and a "
+                        "tokenizer)")
+    p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
+                   help="how the model runs its layers: unrolled (each layer's weights read "
+                        "in place on a GPU; compiles longer) or scanned (compile time flat in "
+                        "depth); auto: unrolled on a GPU, scanned elsewhere")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="chat replies: text inside <think>...</think> goes to the message's "
@@ -300,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
             attention_backend=args.attention_backend,
             tensor_parallel_size=args.tensor_parallel_size,
             max_waiting_requests=args.max_waiting_requests, seed=args.seed,
-            async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant)
+            async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant,
+            layer_loop=args.layer_loop, load_format=args.load_format)
     except (ValueError, FileNotFoundError, OSError) as e:
         logger.error("cannot start: %s", e)
         return 2

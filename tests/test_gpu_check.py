@@ -17,7 +17,8 @@ from ops import native
 
 ROOT = Path(__file__).resolve().parents[1]
 # Left out of the default run (each has tests of its own); every step runs under -m slow.
-OTHERWISE_TESTED = ("engine_tiny_b1_int8", "quant_bench", "kernel_tests", "attention_bench")
+OTHERWISE_TESTED = ("engine_tiny_b1_int8", "engine_tiny_b1_int4", "quant_bench", "kernel_tests",
+                    "attention_bench")
 
 
 def smoke(out: Path, skip: tuple[str, ...] = ()) -> dict:
@@ -30,21 +31,29 @@ def smoke(out: Path, skip: tuple[str, ...] = ()) -> dict:
 
 def test_gpu_check_smoke_engine_and_server_steps(tmp_path):
     report = smoke(tmp_path, OTHERWISE_TESTED)
-    assert [s["name"] for s in report["steps"]] == ["engine_tiny_b1", "engine_tiny_b8", "server"]
+    assert [s["name"] for s in report["steps"]] == ["engine_tiny_b1", "engine_tiny_b8", "online"]
     assert all(s["ok"] for s in report["steps"])
     b1 = report["steps"][0]["result"]
     assert b1["compilations_after_warmup"] == 0 and b1["hbm_fraction"] > 0
+    assert b1["read_bytes_per_s"] > 0 and b1["floor_tpot_ms"] > 0 and b1["ready_s"] > 0
+    assert set(b1["weight_copies"]) == {"step1", "tokens1"}  # the one-row steps were read
     server = report["steps"][2]
     assert server["completion_tokens"] == 8 and server["stream_chunks"] >= 8
-    assert "| engine_tiny_b8 |" in (tmp_path / "gpu_check.md").read_text()
+    # The server took the batch-8 run's limits and pages, so its executables came from the
+    # store that run filled; then engine.bench serve at concurrency 1 and 4.
+    assert "--num-pages" in server["cmd"] and "--load-format" in server["cmd"]
+    assert server["c1"]["completed"] == 4 and server["c4"]["completed"] == 16
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "| engine_tiny_b8 |" in text and "| online c=1 TPOT ms |" in text
 
 
 @pytest.mark.slow
 def test_gpu_check_smoke(tmp_path):
     report = smoke(tmp_path)
     names = [s["name"] for s in report["steps"]]
-    assert names == ["engine_tiny_b1", "engine_tiny_b1_int8", "quant_bench", "engine_tiny_b8",
-                     "kernel_tests", "server", "attention_bench"]
+    assert names == ["engine_tiny_b1", "engine_tiny_b1_int8", "engine_tiny_b1_int4",
+                     "engine_tiny_b8", "online", "quant_bench", "kernel_tests",
+                     "attention_bench"]
     assert all(s["ok"] for s in report["steps"])
     on_cpu = "cpu" if native.available() else "reference"  # our kernel where it was built
     assert report["environment"]["auto_attention_backend"] == on_cpu
@@ -53,6 +62,8 @@ def test_gpu_check_smoke(tmp_path):
     int8 = next(s for s in report["steps"] if s["name"] == "engine_tiny_b1_int8")["result"]
     assert int8["compilations_after_warmup"] == 0
     assert 0 < int8["floor_tpot_ms"] < b1["floor_tpot_ms"]  # a byte a weight, not float32's 4
+    int4 = next(s for s in report["steps"] if s["name"] == "engine_tiny_b1_int4")["result"]
+    assert int4["step_bytes"] < int8["step_bytes"]
     assert report["attention_summary"] and all(r["rel_err"] < 1e-2
                                                 for r in report["attention_summary"])
     quant = report["quant_summary"]["rows"]
@@ -60,6 +71,6 @@ def test_gpu_check_smoke(tmp_path):
     assert {r["layout"] for r in quant} == {"stacked", "counted", "unrolled"}
     assert all(r["rel_err"] < 1e-4 and r["seconds"] > 0 for r in quant)
     assert "| int4 | counted | 4 |" in (tmp_path / "gpu_check.md").read_text()
-    server = next(s for s in report["steps"] if s["name"] == "server")
+    server = next(s for s in report["steps"] if s["name"] == "online")
     assert server["completion_tokens"] == 8 and server["stream_chunks"] >= 8
     assert "| engine_tiny_b8 |" in (tmp_path / "gpu_check.md").read_text()

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 from tiny_models import save_tiny_hf
 
 from engine.config import EngineConfig
@@ -107,19 +108,37 @@ def test_pallas_kernels_match_the_reference(tiny, backend):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
-def test_unrolled_layers_equal_the_scan(tiny, monkeypatch):
-    """XLASERVE_UNROLL_LAYERS=1 (unrolled layers, weights sliced at constant indices) gives
-    the scanned layers' logits: Gemma 3's kinds a period at a time and Qwen3's one kind."""
+def test_unrolled_layers_equal_the_scan(tiny):
+    """Unrolled layers (weights sliced at constant indices: the GPU's loop) give the scanned
+    layers' logits: Gemma 3's kinds a period at a time and Qwen3's one kind."""
     family, path, _ = tiny
     ids = PROMPTS[2]
     scanned = load_model(path, dtype="float32")
-    assert not scanned.unroll_layers  # the default
+    assert not scanned.unroll_layers  # the CPU's default
     want = GreedyDecoder(scanned, max_len=64, page_size=8).prompt_logits(ids)
-    monkeypatch.setenv("XLASERVE_UNROLL_LAYERS", "1")
     unrolled = load_model(path, dtype="float32")
-    assert unrolled.unroll_layers
+    unrolled.unroll_layers = True
     got = GreedyDecoder(unrolled, max_len=64, page_size=8).prompt_logits(ids)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_every_layer_loop_gives_the_engine_the_same_tokens(tiny):
+    """--layer-loop: the engine's unrolled layers (auto's choice on a GPU) give the scanned
+    layers' tokens, greedy and seeded, batched with chunked prefill."""
+    family, path, _ = tiny
+    cfg = EngineConfig(model=str(path), dtype="float32", max_model_len=128, max_num_seqs=4,
+                       max_num_batched_tokens=16, block_size=8)
+    runs = {}
+    for loop in ("scan", "unroll"):
+        engine = LLMEngine(dataclasses.replace(cfg, layer_loop=loop), detokenize=False)
+        assert nnx.merge(engine.runner.graphdef, engine.runner.state).unroll_layers == (
+            loop == "unroll")
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True)
+        runs[loop] = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, greedy)
+                      + engine.generate(PROMPTS, seeded)]
+        engine.runner.release()
+    assert runs["unroll"] == runs["scan"]
 
 
 def test_registry_is_the_one_dispatch(tmp_path):
