@@ -93,10 +93,10 @@ def layer_loop(x: jax.Array, w, layout: str = "stacked", product=linear) -> jax.
 
 
 def materialized(hlo: str, out_f: int, in_f: int) -> int:
-    """Instructions of the optimized program that write a whole [O, I] (or [L, O, I]) matrix
-    of any dtype: a copied or converted weight (or stack of them). Views write nothing and are not counted:
-    parameters, bitcasts, and constant slices (an H200 read those in place: an unrolled
-    layer ran as fast as a separate array)."""
+    """Instructions of the optimized program that write a whole [O, I] (or [L, O, I])
+    matrix of any dtype: a copied or converted weight (or stack of them). Views write
+    nothing and are not counted: parameters, bitcasts, and constant slices (an H200 read
+    those in place: an unrolled layer ran as fast as a separate array)."""
     shape = re.compile(rf"= \w+\[(?:\d+,)?{out_f},{in_f}\]\S* ([\w-]+?)\(")
     views = ("parameter", "bitcast", "get-tuple-element", "tuple", "slice")
     return sum(1 for line in hlo.splitlines()
