@@ -11,7 +11,7 @@ QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "w8a8")
 # The --kv-cache-dtype choices: ops.attention.KV_CACHE_DTYPES (held equal by a test too).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 # The --layer-loop choices (models.llama.unrolls_layers).
-LAYER_LOOPS = ("auto", "scan", "unroll")
+LAYER_LOOPS = ("scan", "unroll")
 # Decodes of up to this many sequences run body and head as one executable: a lone decode
 # saves ~0.5-1 ms a token with it (2-core CPU), 8 sequences nothing measurable, and each
 # fused executable holds ~30 MiB more (docs/performance.md).
@@ -87,10 +87,10 @@ class EngineConfig:
     # default: on the 2-core CPU it cost ~40% of the throughput at 64 streams and ~70% of the
     # time to first token at one (docs/performance.md).
     batch_invariant: bool = False
-    # How the model loops over its layers (models.llama.LAYER_LOOPS): auto unrolls them on a
-    # GPU, where XLA reads each layer's weights in place only at a constant index, and scans
-    # them elsewhere (compile time flat in depth).
-    layer_loop: str = "auto"
+    # How the model loops over its layers (LAYER_LOOPS, models.llama.unrolls_layers): scanned
+    # (compile time flat in depth), or unrolled (XLA:GPU reads each layer's float weights in
+    # place only at a constant index, but compiles for minutes on an 8B model).
+    layer_loop: str = "scan"
     # "dummy": random weights of the model's shapes instead of its files (benchmarks).
     load_format: str = "auto"
 

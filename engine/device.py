@@ -119,14 +119,10 @@ def resident_bytes() -> int | None:
 
 
 def compile_workers() -> int:
-    """Executables the warmup compiles at once. XLA compiles one largely on one thread: two
-    at a time on a CPU host (its cores also run the device); an accelerator's host has cores
-    to spare, and unrolled layers make each compilation longer (models.llama.unrolls_layers),
-    so up to eight there."""
-    cores = os.cpu_count() or 1
-    if jax.default_backend() == "cpu":
-        return min(2, cores)
-    return max(1, min(8, cores // 2))
+    """Executables the warmup compiles at once: two (XLA compiles one largely on one thread).
+    Eight at a time on an H200's 16-core host did not shorten it: Llama-3-8B's 19 executables
+    took 50.8 s, where an earlier run with two took 24.3 s (docs/performance.md)."""
+    return min(2, os.cpu_count() or 1)
 
 
 def device_memory_bytes() -> int:

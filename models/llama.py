@@ -117,12 +117,10 @@ class _Stack(nnx.Module):
 
 
 def unrolls_layers(layer_loop: str, native_matmuls: bool) -> bool:
-    """Whether the layers run unrolled for `layer_loop` (auto, scan or unroll: the engine's
-    --layer-loop); "auto" unrolls on a GPU. The CPU kernel's quantized products take the
-    stack and the layer index, so under it the loop stays a scan."""
-    if native_matmuls:
-        return False
-    return layer_loop == "unroll" or (layer_loop == "auto" and jax.default_backend() == "gpu")
+    """Whether the layers run unrolled for `layer_loop` (scan or unroll: the engine's
+    --layer-loop). The CPU kernel's quantized products take the stack and the layer index,
+    so under it the loop stays a scan."""
+    return layer_loop == "unroll" and not native_matmuls
 
 
 class Llama(nnx.Module):
@@ -239,13 +237,13 @@ class Llama(nnx.Module):
         # Quantized weight-only matmuls of a few float32 rows run in xlaserve's CPU kernel
         # (ops/native) on one CPU device; elsewhere XLA's dot.
         self.native_matmuls = runs_native(dtype, quant or {}, sharded=mesh is not None)
-        # How the layers loop (the engine sets it from --layer-loop): on a GPU
-        # unrolled, each layer's weights sliced at a constant index, which XLA:GPU reads in
-        # place; a slice at a loop index it copies whole before the product (3x the bytes: an
-        # H200 ran a 4096 x 14336 bfloat16 layer in 0.14 ms scanned, 0.047 unrolled). Elsewhere
-        # scanned: compile time does not grow with depth (unrolled compiled ~6x slower on CPU),
-        # and the CPU kernel reads a quantized stack at the layer index itself.
-        self.unroll_layers = unrolls_layers("auto", self.native_matmuls)
+        # How the layers loop (the engine sets it from --layer-loop). Scanned by default:
+        # compile time does not grow with depth. Unrolled, each layer's weights are sliced at
+        # a constant index, which XLA:GPU reads in place where it copies a float slice at a
+        # loop index whole before its cuBLAS product (an H200: a 4096 x 14336 bfloat16 layer
+        # in 0.053 ms unrolled, 0.136 scanned); but Llama-3-8B's unrolled engine was not
+        # ready after 250 s there (docs/performance.md).
+        self.unroll_layers = False
         # --batch-invariant: our CPU kernels at every row count, and attention that never cuts
         # a lone decode over the threads, so a row's numbers do not depend on its batch
         # (docs/architecture.md, "Batch-invariant rows"). Set by the engine before it splits

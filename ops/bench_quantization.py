@@ -41,7 +41,8 @@ from ops.quantization import (
 )
 
 FORMATS = {"float": None, "int8": QuantFormat(8, 0), "int4": QuantFormat(4, 32, has_min=True),
-           "int8-reduce": QuantFormat(8, 0)}  # the last: `reduce_linear`, a candidate
+           # candidates: `reduce_linear` at any row count, and float weights so
+           "int8-reduce": QuantFormat(8, 0), "float-reduce": None}
 LAYOUTS = ("stacked", "counted", "unrolled", "separate")
 ROTATE_BYTES = 512 << 20  # the float layers together exceed any cache (H200 L2: 60 MB)
 
@@ -62,9 +63,14 @@ def make_weights(fmt: QuantFormat | None, layers: int, out_f: int, in_f: int, dt
     return jax.jit(init)(jax.random.key(seed))
 
 
-def reduce_linear(x: jax.Array, w: dict) -> jax.Array:
-    """Per-channel int8 as `linear` runs one row on a GPU (`channel_sums`), at any row count."""
-    return channel_sums(x, w["q"], w["scale"])
+def reduce_linear(x: jax.Array, w) -> jax.Array:
+    """Per-channel int8 as `linear` runs one row on a GPU (`channel_sums`), at any row count;
+    float weights the same way (a multiply and a sum, which XLA fuses with a slice at the
+    loop index where it copies the slice before a cuBLAS dot)."""
+    if isinstance(w, dict):
+        return channel_sums(x, w["q"], w["scale"])
+    y = (x.astype(jnp.float32)[:, None, :] * w.astype(jnp.float32)[None]).sum(-1)
+    return y.astype(x.dtype)
 
 
 def layer_loop(x: jax.Array, w, layout: str = "stacked", product=linear) -> jax.Array:
@@ -107,7 +113,7 @@ def run(name, rows, layout, args, dtype, ceilings) -> dict:
     fmt = FORMATS[name]
     w = make_weights(fmt, args.layers, args.out_features, args.in_features, dtype, args.seed)
     x = jax.random.normal(jax.random.key(args.seed + 1), (rows, args.in_features), dtype)
-    product = reduce_linear if name == "int8-reduce" else linear
+    product = reduce_linear if name.endswith("-reduce") else linear
     fn = jax.jit(lambda x, w: layer_loop(x, w, layout, product))
     arg = ([jax.tree.map(lambda a, i=i: a[i], w) for i in range(args.layers)]
            if layout == "separate" else w)

@@ -25,11 +25,10 @@ leaves no time for are reported as skipped):
    reference (`--save-reference`, made on a CPU machine), and a greedy chat through
    `python -m server` serving that model on the device.
 6. the engine bench for the default model's shape (smollm2-135m) at batch 1: TPOT beside
-   its matmuls alone (`dense_t1`); then the 8B batch-1 step with `--layer-loop scan`, the
-   same run's baseline for the platform's layer loop.
+   its matmuls alone (`dense_t1`).
 7. `python -m ops.bench_quantization`: float, int8 and int4 matmuls of the 8B MLP's shape at
-   1 and 64 rows, each layer's weights sliced as a scan does, at a loop counter and at
-   constant indices, and whether XLA copied or converted a whole matrix.
+   1 and 64 rows, each layer's weights sliced as a scan does and at constant indices, float
+   weights as a multiply and a sum too, and whether XLA copied or converted a whole matrix.
 8. kernel tests: the attention kernels over float16, bfloat16, fp8 and int8 KV pages, and
    tests/test_pallas_gpu_attention.py, compiled for the GPU (interpret mode and a subset
    under --smoke).
@@ -67,9 +66,6 @@ WEIGHT_ITEMSIZE = {"int8": 1, "int4": 0.5}
 
 
 _DEADLINE = [float("inf")]  # perf_counter time by which every step must be done (--deadline-s)
-# Flags every later engine and server step takes: `--layer-loop scan` once the first 8B step
-# ran out of time with the platform's default loop (so the rest of the run still measures).
-ENGINE_FLAGS: list[str] = []
 
 
 def _limit(timeout: float) -> float:
@@ -140,8 +136,7 @@ def kv_bytes_per_token(preset: str, itemsize: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def engine_bench(name, preset, dtype, batch, out, timeout, smoke, quantization=None,
-                 flags=()) -> dict:
+def engine_bench(name, preset, dtype, batch, out, timeout, smoke, quantization=None) -> dict:
     """`python -m engine.bench` on random weights of `preset`; at batch 1 its decode's floor:
     the bytes a step reads over the same run's read bandwidth."""
     n_in, n_out = (16, 8) if smoke else (128, 128)
@@ -150,7 +145,6 @@ def engine_bench(name, preset, dtype, batch, out, timeout, smoke, quantization=N
            "--ignore-eos", "--output", str(out / f"{name}.json")]
     if quantization:
         cmd += ["--quantization", quantization]
-    cmd += [*ENGINE_FLAGS, *flags]
     if batch == 1:
         cmd += ["--num-prompts", "2" if smoke else "4", "--concurrency", "1"]
         if not smoke:  # one sequence's buckets only: a few executables to compile, not ~27
@@ -271,7 +265,7 @@ def online(out: Path, preset: str, dtype: str, offline: dict, timeout: float,
     port = free_port()
     n_in, n_out = (16, 8) if smoke else (128, 128)
     cmd = [sys.executable, "-m", "server", "--model", str(model), "--port", str(port),
-           "--load-format", "dummy", "--dtype", dtype, *ENGINE_FLAGS]
+           "--load-format", "dummy", "--dtype", dtype]
     limits = {"--max-model-len": args.get("max_model_len"),
               "--max-num-seqs": args.get("max_num_seqs"),
               "--max-num-batched-tokens": args.get("max_num_batched_tokens"),
@@ -372,8 +366,6 @@ def markdown(report: dict) -> str:
              f"{env.get('auto_attention_backend')}.", ""]
     if env.get("nvidia_smi"):
         lines += [f"nvidia-smi: {env['nvidia_smi']}", ""]
-    if report.get("fallback"):
-        lines += [f"**{report['fallback']}.**", ""]
     lines += ["| step | ok | seconds |", "|---|---|---|"]
     for s in report["steps"]:
         ok = "yes" if s["ok"] else f"NO ({s.get('rc', s.get('error'))})"
@@ -544,10 +536,6 @@ def main(argv=None) -> int:
         if wanted(name):
             steps.append(engine_bench(name, big, dtype, 1, out, 240 if smoke else limit, smoke,
                                       q or None))
-            if steps[-1]["rc"] == "timeout" and not ENGINE_FLAGS:
-                ENGINE_FLAGS.extend(["--layer-loop", "scan"])
-                report["fallback"] = f"{name} ran out of time: later steps scan their layers"
-                print(f"=== {report['fallback']}", flush=True)
     offline = {}
     if wanted(f"engine_{label}_b{batch}"):
         offline = engine_bench(f"engine_{label}_b{batch}", big, dtype, batch, out,
@@ -566,15 +554,13 @@ def main(argv=None) -> int:
     if not smoke and wanted("engine_smollm2_135m_b1"):
         steps.append(engine_bench("engine_smollm2_135m_b1", "smollm2-135m", dtype, 1, out, 50,
                                   smoke))
-    if not smoke and not ENGINE_FLAGS and wanted(f"engine_{label}_b1_scan"):
-        # The same run's baseline for the layer loop: the 8B step with its layers scanned.
-        steps.append(engine_bench(f"engine_{label}_b1_scan", big, dtype, 1, out, 60, smoke,
-                                  flags=("--layer-loop", "scan")))
 
     if wanted("quant_bench"):
-        # The layer loops: scanned (XLA:GPU copied each layer's slice), counted, unrolled.
+        # The layer loops, scanned (XLA:GPU copied each float layer's slice) and unrolled, and
+        # the candidate for float weights at one row: a multiply and a sum (as int8's).
         cmd = [py, "-m", "ops.bench_quantization", "--output", str(out / "quant_bench.json"),
-               "--layouts", "stacked,counted,unrolled", "--rows", "1,64"]
+               "--layouts", "stacked,unrolled", "--rows", "1,64",
+               "--formats", "float,int8,int4,float-reduce"]
         steps.append(_run("quant_bench", cmd + (["--smoke"] if smoke else []), out,
                           120 if smoke else 60))
         path = out / "quant_bench.json"

@@ -124,10 +124,10 @@ def parser() -> argparse.ArgumentParser:
                    help="dummy: random weights of the model's shapes instead of its files, "
                         "for benchmarks (the directory needs only config.json and a "
                         "tokenizer)")
-    p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
-                   help="how the model runs its layers: unrolled (each layer's weights read "
-                        "in place on a GPU; compiles longer) or scanned (compile time flat in "
-                        "depth); auto: unrolled on a GPU, scanned elsewhere")
+    p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="scan",
+                   help="how the model runs its layers: scanned (the default: compile time "
+                        "flat in depth) or unrolled (on a GPU each layer's float weights are "
+                        "read in place, but a large model compiles for minutes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="chat replies: text inside <think>...</think> goes to the message's "

@@ -67,10 +67,10 @@ def test_gpu_check_smoke(tmp_path):
     assert report["attention_summary"] and all(r["rel_err"] < 1e-2
                                                 for r in report["attention_summary"])
     quant = report["quant_summary"]["rows"]
-    assert {r["format"] for r in quant} == {"float", "int8", "int4"}
-    assert {r["layout"] for r in quant} == {"stacked", "counted", "unrolled"}
+    assert {r["format"] for r in quant} == {"float", "int8", "int4", "float-reduce"}
+    assert {r["layout"] for r in quant} == {"stacked", "unrolled"}
     assert all(r["rel_err"] < 1e-4 and r["seconds"] > 0 for r in quant)
-    assert "| int4 | counted | 4 |" in (tmp_path / "gpu_check.md").read_text()
+    assert "| float-reduce | stacked | 4 |" in (tmp_path / "gpu_check.md").read_text()
     server = next(s for s in report["steps"] if s["name"] == "online")
     assert server["completion_tokens"] == 8 and server["stream_chunks"] >= 8
     assert "| engine_tiny_b8 |" in (tmp_path / "gpu_check.md").read_text()
