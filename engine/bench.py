@@ -397,7 +397,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     # The runner's progress (compiling, loaded from the store, memory): a run cut off by a
     # time limit still says how far it got.
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                        force=True)  # jax's imports may have set a handler up already
     if args.max_model_len is None:
         args.max_model_len = max(defaults.max_model_len,
                                  -(-(args.input_len + args.output_len) // 16) * 16)
