@@ -119,7 +119,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's numbers do not depend on what shares its steps, so a "
                         "seeded request samples the same tokens alone or under load (CPU; "
-                        "slower: see the README)")
+                        "slower: see docs/serving.md)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights of the model's shapes instead of its files, "
                         "for benchmarks (the directory needs only config.json and a "
