@@ -171,8 +171,12 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, config: EngineConfig,
                  factory: Callable[[EngineConfig], LLMEngine] | None = None,
-                 stream_backlog_limit: int = STREAM_BACKLOG_LIMIT):
+                 stream_backlog_limit: int = STREAM_BACKLOG_LIMIT,
+                 sampling_defaults: dict | None = None):
         self.config = config
+        # The model's sampling values for what a request leaves unset (the server's;
+        # models.generation_config, engine.launch).
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.stream_backlog_limit = stream_backlog_limit  # per stream (RequestStream)
         self.name = config.name or config.model
         self._factory = factory or (lambda cfg: LLMEngine(cfg))

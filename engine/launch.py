@@ -14,6 +14,8 @@ from pathlib import Path
 from engine.async_engine import AsyncEngine, Engines
 from engine.config import EngineConfig
 from engine.device import size_kv
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from models.generation_config import generation_defaults, parse_overrides
 from models.known_models import KNOWN_MODELS, fetch_model, served_name
 
 logger = logging.getLogger(__name__)
@@ -26,13 +28,15 @@ class ModelSpec:
 
 def parse_model_arg(value: str | None) -> ModelSpec:
     """`path`, `name=path`, a known model's name (models/known_models.py: fetched if
-    missing), or None for the default model."""
+    missing), `name=` a known model's name, or None for the default model."""
     if value is None or value in KNOWN_MODELS:
         path = fetch_model(*([value] if value else []))
         return ModelSpec(served_name(path), str(path))
     name, sep, path = value.partition("=")
     if not sep or "/" in name or Path(value).exists():
         name, path = "", value
+    elif path in KNOWN_MODELS:  # NAME=a known model's name
+        return ModelSpec(name, str(fetch_model(path)))
     if not Path(path).exists():
         raise FileNotFoundError(f"--model {value}: {path} does not exist")
     if not name:
@@ -41,17 +45,45 @@ def parse_model_arg(value: str | None) -> ModelSpec:
     return ModelSpec(name, path)
 
 
+def sampling_defaults(spec: ModelSpec, generation_config: str = "auto",
+                      overrides: dict | None = None) -> dict:
+    """The sampling values a request to this model gets for the fields it leaves unset:
+    the model's own (models.generation_config) under "auto", none under "vllm" (OpenAI's
+    defaults then), and `overrides` over either (--override-generation-config)."""
+    if generation_config not in ("auto", "vllm"):
+        raise ValueError(f"--generation-config must be auto or vllm, got {generation_config!r}")
+    values, source = (generation_defaults(spec.path) if generation_config == "auto"
+                      else ({}, None))
+    values = {**values, **(overrides or {})}
+    try:
+        SamplingParams(**values)
+    except (SamplingParamsError, TypeError) as e:
+        raise ValueError(f"{spec.name}'s sampling defaults {values}: {e}") from None
+    if values:
+        logger.info("%s: requests that leave them unset sample with %s (from %s)", spec.name,
+                    ", ".join(f"{k} {v}" for k, v in values.items()),
+                    " and ".join(filter(None, [source, "--override-generation-config"
+                                               if overrides else None])))
+    return values
+
+
 def start_engines(specs: list[ModelSpec], memory_fraction: float | None = None,
-                  kv_memory_bytes: int | None = None, **engine_options) -> Engines:
+                  kv_memory_bytes: int | None = None, generation_config: str = "auto",
+                  generation_overrides: str | None = None, **engine_options) -> Engines:
     """Load and warm up one engine per model (in order); returns them by served name.
-    `memory_fraction`, `kv_memory_bytes`: the KV pool's budget (engine.device.size_kv)."""
+    `memory_fraction`, `kv_memory_bytes`: the KV pool's budget (engine.device.size_kv);
+    `generation_config`, `generation_overrides` (a JSON object's text): the sampling
+    defaults (sampling_defaults)."""
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"served model names must be unique, got {names}")
+    overrides = parse_overrides(generation_overrides)
+    defaults = {s.name: sampling_defaults(s, generation_config, overrides)
+                for s in specs}  # (a bad value fails before any model loads)
     engines = {}
     for spec in specs:
         config = EngineConfig(model=spec.path, name=spec.name, **engine_options)
         config = size_kv(config, memory_fraction, len(specs), kv_memory_bytes)
         logger.info("Loading %s from %s", spec.name, spec.path)
-        engines[spec.name] = AsyncEngine(config)
+        engines[spec.name] = AsyncEngine(config, sampling_defaults=defaults[spec.name])
     return Engines(engines)

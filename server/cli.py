@@ -120,6 +120,13 @@ def parser() -> argparse.ArgumentParser:
                    help="a request's numbers do not depend on what shares its steps, so a "
                         "seeded request samples the same tokens alone or under load (CPU; "
                         "slower: see docs/serving.md)")
+    p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                   help="auto: a request that leaves temperature, top_p, top_k, min_p or "
+                        "repetition_penalty unset gets the model's recommended value (an HF "
+                        "directory's generation_config.json, or a known model's card); vllm: "
+                        "OpenAI's defaults (temperature 1, top_p 1)")
+    p.add_argument("--override-generation-config", metavar="JSON", default=None,
+                   help='sampling defaults over the model\'s, e.g. \'{"temperature": 0.5}\'')
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights of the model's shapes instead of its files, "
                         "for benchmarks (the directory needs only config.json and a "
@@ -309,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
             max_waiting_requests=args.max_waiting_requests, seed=args.seed,
             async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant,
-            layer_loop=args.layer_loop, load_format=args.load_format)
+            layer_loop=args.layer_loop, load_format=args.load_format,
+            generation_config=args.generation_config,
+            generation_overrides=args.override_generation_config)
     except (ValueError, FileNotFoundError, OSError) as e:
         logger.error("cannot start: %s", e)
         return 2

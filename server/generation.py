@@ -416,7 +416,8 @@ def _render_chat(engine: AsyncEngine, req: ChatCompletionRequest
 
 async def create_completion(request: Request, req: CompletionRequest, model: str,
                             engine: AsyncEngine, tracker: RequestTracker) -> Response:
-    gen = Generation(False, model, engine, req.to_sampling_params(), tracker, echo=req.echo,
+    gen = Generation(False, model, engine, req.to_sampling_params(engine.sampling_defaults),
+                     tracker, echo=req.echo,
                      include_usage=req.include_usage, return_token_ids=req.return_token_ids,
                      cache_salt=req.cache_salt)  # (a grammar here comes from structured_outputs)
     await gen.start(req.prompts(), add_special_tokens=True)
@@ -429,7 +430,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest, m
                                  allow_special_tokens_in_messages: bool = False) -> Response:
     """`allow_special_tokens_in_messages`: special-token text in the request (`<|im_end|>` in a
     message) becomes those tokens, as it did before; by default only the template writes them."""
-    params = req.to_sampling_params()
+    params = req.to_sampling_params(engine.sampling_defaults)
     structured_param = req.structured_field
     prompt, parser = await asyncio.get_running_loop().run_in_executor(
         PROMPT_POOL, _render_chat, engine, req)

@@ -135,7 +135,10 @@ class _Request(BaseModel):
         """The grammar the output follows."""
         return None if self.structured_outputs is None else self.structured_outputs.params()
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """`defaults`: the served model's sampling values (models.generation_config), for the
+        fields this request leaves unset; a value the request sends wins, as in vLLM."""
         if self.best_of is not None and self.best_of != self.n:
             raise SamplingParamsError("best_of", "best_of different from n is not supported")
         if self.logit_bias:
@@ -143,10 +146,14 @@ class _Request(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options",
                                       "stream_options is only allowed when stream is true")
+        chosen = {name: getattr(self, name) for name in
+                  ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        chosen |= {name: value for name, value in (defaults or {}).items()
+                   if name in chosen and name not in self.model_fields_set}
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            **chosen,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, max_tokens=max_tokens,
+            seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=tuple([self.stop] if isinstance(self.stop, str)
                                                    else self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
@@ -195,10 +202,10 @@ class CompletionRequest(_Request):
         """The prompts of a (possibly batched) request."""
         return _prompts(self.prompt)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         if self.suffix:
             raise SamplingParamsError("suffix", "suffix is not supported")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        return self.sampling_params(self.max_tokens, self.logprobs, defaults)
 
 
 def _prompts(prompt: str | list) -> list[str | list[int]]:
@@ -397,7 +404,7 @@ class ChatCompletionRequest(_Request):
                                       "json_schema.schema")
         return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         constrained = (self.structured_outputs is not None
                        or self.structured_field != "structured_outputs")
         if self.tool_mode in ("required", "named") and constrained:
@@ -409,7 +416,7 @@ class ChatCompletionRequest(_Request):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(max_tokens, logprobs, defaults)
 
 
 class TokenizeRequest(BaseModel):

@@ -14,6 +14,9 @@ def test_model_arguments(default_gguf, tmp_path):
     assert launch.parse_model_arg(str(default_gguf)).name == SERVED_NAME
     assert launch.parse_model_arg(f"smol={default_gguf}") == launch.ModelSpec("smol",
                                                                              str(default_gguf))
+    # A served name for a known model, by its name (the file is in the cache already).
+    assert launch.parse_model_arg("smol=smollm2-135m") == launch.ModelSpec("smol",
+                                                                          str(default_gguf))
     other = tmp_path / "my-model"
     other.mkdir()
     assert launch.parse_model_arg(str(other)).name == "my-model"

@@ -123,7 +123,7 @@ def test_json_object_always_parses_and_plain_greedy_is_unchanged(client, live_se
     async def main():
         objects = [aclient.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=300,
-            temperature=0.7, seed=i, response_format={"type": "json_object"})
+            temperature=0.7, top_p=1.0, seed=i, response_format={"type": "json_object"})
             for i, p in enumerate(PROMPTS[:8])]
         beside = aclient.chat.completions.create(model=MODEL, temperature=0.0, **plain)
         return await asyncio.gather(beside, *objects)
