@@ -79,8 +79,10 @@ class RequestStream:
 
     What waits here is bounded: past STREAM_MAX_ITEMS waiting outputs, new ones merge into
     the last (deltas: the merge holds the new tokens once), and past the engine's
-    `stream_backlog_limit` token ids and logprobs the request is aborted and the consumer,
-    if it ever reads again, gets a StreamBacklogError."""
+    `stream_backlog_limit` token ids and logprobs handed over and not yet read the request
+    is aborted and the consumer, if it ever reads again, gets a StreamBacklogError. The
+    engine thread counts what it hands over and aborts there, so the bound holds however
+    late the event loop takes its deliveries."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_token_ids: list[int]):
         self.engine = engine
@@ -89,7 +91,9 @@ class RequestStream:
         self._loop = asyncio.get_running_loop()
         self._items: collections.deque = collections.deque()  # outputs and errors, in order
         self._ready = asyncio.Event()
-        self.backlog = 0  # token ids and top logprobs in the waiting outputs
+        self.sent = 0  # token ids and top logprobs handed over (written by the engine thread)
+        self.taken = 0  # ... and read by the consumer (written on the event loop)
+        self.overflowed = False  # past the backlog limit: aborted (set by the engine thread)
         self.finished = False
         self._closed = False
         self._aborted = False
@@ -97,13 +101,25 @@ class RequestStream:
     def put(self, item) -> None:  # engine thread
         RequestStream.put_all([(self, item)])
 
+    @property
+    def backlog(self) -> int:
+        """Token ids and top logprobs handed over and not read yet."""
+        return self.sent - self.taken
+
     @staticmethod
     def put_all(items: list[tuple[RequestStream, object]]) -> None:  # engine thread
         """Hand a step's outputs to their streams with one wake-up per event loop (each
         `call_soon_threadsafe` writes to the loop's self-pipe: 64 of them a step at 64
-        streams, where one does)."""
+        streams, where one does); a stream past its backlog limit has its request aborted
+        here, on the engine thread."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for stream, item in items:
+            if isinstance(item, RequestOutput) and not stream.overflowed:
+                stream.sent += item.size
+                if (not item.finished
+                        and stream.backlog > stream.engine.stream_backlog_limit):
+                    stream.overflowed = True  # the event loop turns it into the error
+                    stream.engine.abort(stream.request_id)
             by_loop.setdefault(stream._loop, []).append((stream, item))
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_deliver, batch)
@@ -112,8 +128,7 @@ class RequestStream:
         if self._closed or self._aborted:
             return  # (what was in flight when it ended)
         if isinstance(item, RequestOutput):
-            self.backlog += item.size
-            if self.backlog > self.engine.stream_backlog_limit and not item.finished:
+            if self.overflowed:
                 item = self._abort_backlogged()
             elif len(self._items) >= STREAM_MAX_ITEMS and isinstance(self._items[-1],
                                                                      RequestOutput):
@@ -124,8 +139,8 @@ class RequestStream:
         self._ready.set()
 
     def _abort_backlogged(self) -> StreamBacklogError:
-        """Abort the request and drop what waits (the memory goes now, not when the consumer
-        comes back); the error is what the consumer reads next."""
+        """Drop what waits (the memory goes now, not when the consumer comes back; the engine
+        thread has aborted the request); the error is what the consumer reads next."""
         limit = self.engine.stream_backlog_limit
         logger.warning("Request %s aborted: %d token ids and logprobs wait on its stream "
                        "(limit %d); its client is not reading", self.request_id, self.backlog,
@@ -134,9 +149,7 @@ class RequestStream:
                                    f"read fast enough ({self.backlog} token ids and logprobs "
                                    f"waiting, limit {limit})")
         self._items.clear()
-        self.backlog = 0
         self._aborted = True
-        self.engine.abort(self.request_id)
         return error
 
     def __aiter__(self) -> RequestStream:
@@ -152,7 +165,7 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.close()
             raise item
-        self.backlog -= item.size
+        self.taken += item.size
         if item.finished:
             self.finished = True
             self.close()

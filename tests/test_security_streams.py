@@ -35,9 +35,9 @@ def recorded(monkeypatch):
     def record(items):
         # Copies taken before delivery: the event loop merges a late output into the last
         # waiting one in place, which would count its tokens twice here.
-        copies = [(stream, copy.deepcopy(item)) for stream, item in items]
+        # Recorded first: a consumer that has read the last output finds it here.
+        seen.extend((stream, copy.deepcopy(item)) for stream, item in items)
         put_all(items)
-        seen.extend(copies)  # (after: their delivery is on the event loop's list already)
 
     monkeypatch.setattr(RequestStream, "put_all", staticmethod(record))
     return seen
@@ -106,11 +106,13 @@ def test_a_stream_nobody_reads_is_aborted_past_its_backlog_limit(tokenizer, capl
 
     async def main():
         stream = await engine.add_request(PROMPT, _params())
-        # Nobody reads; the loop runs (it takes the engine thread's deliveries).
+        # Nobody reads; the loop runs (it takes the engine thread's deliveries). Aborted, not
+        # finished (the request is in the engine only once the engine thread takes it).
         assert await asyncio.to_thread(
-            wait_until, lambda: not engine.engine.has_unfinished()
+            wait_until, lambda: engine.engine.num_aborted == 1
+            and not engine.engine.has_unfinished()
             and bm.num_free_blocks == bm.num_usable_blocks)
-        assert engine.engine.num_aborted == 1  # not finished: aborted
+        assert stream.overflowed and engine.engine.num_aborted == 1
         with pytest.raises(ValueError, match="not read fast enough") as e:
             async for _ in stream:
                 pass
