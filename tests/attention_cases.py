@@ -213,14 +213,34 @@ def _pairwise(matrix: list[dict]) -> list[dict]:
     return chosen
 
 
+def _each_value(matrix: list[dict]) -> list[dict]:
+    """A subset of `matrix` in which every value of every factor occurs (greedy, as above)."""
+    missing = {(f, c[f]) for c in matrix for f in _FACTORS}
+    chosen = []
+    while missing:
+        best = max(matrix, key=lambda c: len({(f, c[f]) for f in _FACTORS} & missing))
+        chosen.append(best)
+        missing -= {(f, best[f]) for f in _FACTORS}
+    return chosen
+
+
 # Parameter sets for `make_case`, each with a readable id for pytest.
 MATRIX = _matrix()
 MATRIX_IDS = [f"{c['kind']}-g{c['group']}-d{c['head_dim']}-p{c['page_size']}-{c['dtype']}"
               for c in MATRIX]
 PAIRWISE = _pairwise(MATRIX)
-# The matrix for pytest.mark.parametrize: the pairwise cases by default, the rest slow.
-MATRIX_PARAMS = [pytest.param(c, id=name, marks=() if c in PAIRWISE else pytest.mark.slow)
-                 for c, name in zip(MATRIX, MATRIX_IDS, strict=True)]
+EACH_VALUE = _each_value(PAIRWISE)
+
+
+def _params(default: list[dict]) -> list:
+    return [pytest.param(c, id=name, marks=() if c in default else pytest.mark.slow)
+            for c, name in zip(MATRIX, MATRIX_IDS, strict=True)]
+
+
+# The matrix for pytest.mark.parametrize: the pairwise cases by default, the rest slow; the
+# Pallas kernels, interpreted on the CPU (~5 s a case), take every value once by default.
+MATRIX_PARAMS = _params(PAIRWISE)
+INTERPRETED_MATRIX_PARAMS = _params(EACH_VALUE)
 
 
 def case_from(params: dict) -> Case:

@@ -13,6 +13,26 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import pytest
 
+# The modules that take minutes, in the order they start: workers take whole files in
+# collection order, so the long ones go first and the short ones fill in after them (one
+# worker would otherwise run the longest alone at the end).
+LONG_MODULES = ("test_tensor_parallel.py", "test_engine.py", "test_kv_cache_dtype.py",
+                "test_default_model.py", "test_batch_invariance.py", "test_model_families.py",
+                "test_pallas_tpu_attention.py", "test_pallas_gpu_attention.py",
+                "test_cpu_attention.py", "test_gpu_check.py")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker a core, at most 4 (each holds compiled engines and the
+    transformers reference: a few GiB)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+
 
 @pytest.fixture(scope="session")
 def default_gguf():

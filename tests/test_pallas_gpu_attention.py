@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import (
+    INTERPRETED_MATRIX_PARAMS,
     LAYER,
-    MATRIX_PARAMS,
     NUM_LAYERS,
     Case,
     case_from,
@@ -40,7 +40,7 @@ def _long_case(page_size=16, seed=0) -> Case:
                    head_dim=64, page_size=page_size, seed=seed)
 
 
-@pytest.mark.parametrize("params", MATRIX_PARAMS)
+@pytest.mark.parametrize("params", INTERPRETED_MATRIX_PARAMS)
 def test_matches_reference(params):
     check_kernel(kernel, case_from(params))
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import (
-    MATRIX_PARAMS,
+    INTERPRETED_MATRIX_PARAMS,
     Case,
     case_from,
     check_kernel,
@@ -30,7 +30,7 @@ def _small_case(**kw):
     return make_case("mixed", **params)
 
 
-@pytest.mark.parametrize("params", MATRIX_PARAMS)
+@pytest.mark.parametrize("params", INTERPRETED_MATRIX_PARAMS)
 def test_matches_reference(params):
     check_kernel(kernel, case_from(params))
 

@@ -46,9 +46,24 @@ def tiny(request, tmp_path_factory):
 
 # The engine's own mechanisms (compile table, quantized and int8-KV splits) do not depend on
 # the family: those tests run on the two Llama-shaped models only.
-@pytest.fixture(scope="module", params=["mha", "gqa-bias"])
-def llama_tiny(request, tmp_path_factory):
-    return save_tiny_hf(tmp_path_factory.mktemp(request.param), **TINY[request.param])
+LLAMA_SHAPES = ("mha", "gqa-bias")
+
+
+@pytest.fixture(scope="module")
+def llama_tiny_models(tmp_path_factory):
+    """name -> the tiny model of that Llama shape, each saved once."""
+    saved = {}
+
+    def get(name: str):
+        if name not in saved:
+            saved[name] = save_tiny_hf(tmp_path_factory.mktemp(name), **TINY[name])
+        return saved[name]
+    return get
+
+
+@pytest.fixture(scope="module", params=LLAMA_SHAPES)
+def llama_tiny(request, llama_tiny_models):
+    return llama_tiny_models(request.param)
 
 
 def _decoder(path, size: int, backend: str = "reference") -> GreedyDecoder:
@@ -140,8 +155,10 @@ def test_sizes_that_do_not_divide_the_heads_fail_at_startup(default_gguf):
         make_mesh(16)
 
 
-def test_no_compilation_after_warmup_under_tensor_parallelism(llama_tiny):
-    tiny = llama_tiny
+# The compile table is the same for both shapes: one by default, the other under -m slow.
+@pytest.mark.parametrize("shape", ["gqa-bias", pytest.param("mha", marks=pytest.mark.slow)])
+def test_no_compilation_after_warmup_under_tensor_parallelism(llama_tiny_models, shape):
+    tiny = llama_tiny_models(shape)
     engine_cfg = EngineConfig(model=str(tiny), dtype="float32", max_model_len=128,
                               max_num_seqs=4, max_num_batched_tokens=32, num_blocks=33,
                               tensor_parallel_size=2)
@@ -163,10 +180,16 @@ def test_no_compilation_after_warmup_under_tensor_parallelism(llama_tiny):
 SIZES_2_4 = pytest.mark.parametrize("size", [pytest.param(2, marks=SLOW), 4])
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
+# Each quantization on one shape by default (int4's groups where KV heads repeat); every pair
+# under -m slow.
+@pytest.mark.parametrize("shape, quantization", [
+    ("mha", "int8"), ("gqa-bias", "int4"), ("mha", "w8a8"),
+    *(pytest.param(shape, q, marks=SLOW)
+      for shape, q in [("gqa-bias", "int8"), ("mha", "int4"), ("gqa-bias", "w8a8")])])
 @SIZES_2_4
-def test_quantized_weights_split_consistently(llama_tiny, quantization, size, monkeypatch):
-    tiny = llama_tiny
+def test_quantized_weights_split_consistently(llama_tiny_models, shape, quantization, size,
+                                              monkeypatch):
+    tiny = llama_tiny_models(shape)
     # Values and their scales are split along the same rows (or groups): the size gives the
     # one-device tokens. int4's head is in two row blocks (64 frequent rows here).
     monkeypatch.setattr("ops.quantization.FREQUENT_ROWS", 64)
