@@ -39,7 +39,7 @@ from engine.scheduler import SchedulerOutput
 from engine.sequence import PENDING, Sequence, SequenceStatus
 
 # Ids a row can be kept from picking (EOS + stop token ids before min_tokens); equals
-# ops.sampling.MAX_BANNED, which this bookkeeping module may not import.
+# ops.sampling_metadata.MAX_BANNED, which this bookkeeping module may not import.
 MAX_BANNED = 16
 
 FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",

@@ -26,7 +26,6 @@ work hides behind the device's.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -38,97 +37,19 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from engine.bench_ceilings import dense_seconds, measure_ceilings, read_bandwidth, weight_copies
+from engine.bench_simulated import SimulatedRunner
 from engine.config import LAYER_LOOPS, EngineConfig
 from engine.device import size_kv
 from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner, StepResult
+from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from models.registry import param_specs
-from ops.attention import BACKENDS, KV_CACHE_DTYPES
+from ops.attention import BACKENDS
+from ops.kv_cache import KV_CACHE_DTYPES
 from ops.quantization import CHOICES as QUANTIZATION_CHOICES
-
-
-def _best(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def measure_ceilings(dtype, m: int, k: int, n: int) -> dict:
-    """Matmul rate at the model's [batch x hidden x intermediate] shape, and copy bandwidth."""
-    a, b = jnp.ones((m, k), dtype), jnp.ones((k, n), dtype)
-    mm = jax.jit(lambda a, b: a @ b)
-    t = _best(lambda: mm(a, b).block_until_ready(), 30)
-    x = jnp.ones((64 << 20,), jnp.float32)  # 256 MB
-    cp = jax.jit(lambda x: x + 1)
-    tc = _best(lambda: cp(x).block_until_ready(), 10)
-    return {"matmul_flops_per_s": 2 * m * k * n / t, "matmul_shape": [m, k, n],
-            "copy_bytes_per_s": 2 * x.nbytes / tc}
-
-
-def read_bandwidth(nbytes: int) -> float:
-    """Bytes a second the device reads: a sum over an `nbytes` float32 array (it reads the
-    array and writes one number), the rate a decode's weight reads are held to."""
-    x = jnp.arange(nbytes // 4, dtype=jnp.float32)
-    total = jax.jit(jnp.sum)
-    seconds = _best(lambda: total(x).block_until_ready(), 10)
-    return x.nbytes / seconds
-
-
-def weight_copies(runner: ModelRunner) -> dict[str, int]:
-    """Instructions of each compiled one-row step that write a whole layer matrix (a weight
-    copied or converted before its product; views and constant slices write nothing): 0
-    when every product reads its weights in place. By executable, for those whose optimized
-    program can be read."""
-    from models.registry import param_specs
-    from ops.bench_quantization import materialized
-
-    num_layers = runner.model_config.num_layers
-    shapes = {tuple(a.shape[1:]) for a in runner.params
-              if a.ndim == 3 and a.shape[0] == num_layers and a.shape[1] * a.shape[2] >= 1 << 16}
-    shapes |= {spec.shape[1:] for name, spec in param_specs(runner.model_config).items()
-               if name.startswith("layers.") and len(spec.shape) == 3}
-    found = {}
-    for bucket in (("step", 1), ("tokens", 1)):
-        executable = runner._executables.get(bucket)
-        try:
-            hlo = executable.as_text()
-        except Exception:  # not compiled here (loaded), or no text from this backend
-            continue
-        found[f"{bucket[0]}{bucket[1]}"] = sum(materialized(hlo, o, i) for o, i in shapes)
-    return found
-
-
-def dense_seconds(runner: ModelRunner, num_tokens: int = 1, repeats: int = 30) -> float:
-    """The model's matmuls alone for `num_tokens` rows (every layer's projections and MLP,
-    then the LM head; no attention, no sampling): the floor a decode step's time is held to."""
-    model = nnx.merge(runner.graphdef, runner.state)
-    cfg = model.cfg
-    layers = nnx.to_pure_dict(nnx.state(model.layers))
-    head = model.head(model.top_params())
-
-    @jax.jit
-    def dense(layers, head, x):
-        def layer(x, idx):
-            p = model.layer_params(layers, idx)  # as the model reads its layers
-            q, k, v = model.projects(x, p, ("wq", "wk", "wv"))
-            x = x + model.project(q, p, "wo") + k.mean() + v.mean()
-            gate, up = model.projects(x, p, ("w_gate", "w_up"))
-            return x + model.project(jax.nn.silu(gate) * up, p, "w_down")
-
-        x = model.over_layers(layer, x)  # scanned or unrolled, as the model runs them
-        return model.logits(x, head)  # as the model runs its head
-
-    x = jnp.ones((num_tokens, cfg.hidden_size), runner.dtype) * 0.01
-    return _best(lambda: dense(layers, head, x).block_until_ready(), repeats)
 
 
 class _IdsOnly:
@@ -167,48 +88,6 @@ def build_engine(args) -> LLMEngine:
     # The KV pool the server would give this model (its default budget, engine.device).
     cfg = size_kv(cfg)
     return LLMEngine(cfg, detokenize=False)
-
-
-class SimulatedRunner:
-    """A device that takes `step_ms` per step and computes nothing: each row's next token is a
-    fixed function of its last one (never a special token). Steps run in order on a thread
-    of their own that sleeps, so the host thread keeps its core and the GIL, as while an
-    accelerator runs; `submit` returns at once."""
-
-    def __init__(self, config: EngineConfig, step_ms: float, vocab_size: int,
-                 special: frozenset[int]):
-        self.config, self.step_s = config, step_ms / 1e3
-        self.compilations_after_warmup, self.warm = 0, False
-        self.num_steps, self.busy_s = 0, 0.0
-        ok = np.array([t for t in range(min(vocab_size, 32000)) if t not in special], np.int32)
-        self._next = np.full(max(vocab_size, 32000), ok[0], np.int32)
-        self._next[ok] = np.roll(ok, -7)  # a permutation of the ordinary ids
-        self._last = np.zeros(config.max_num_seqs + 1, np.int32)  # per slot, as on a device
-        self._device = concurrent.futures.ThreadPoolExecutor(1, "simulated-device")
-
-    def warmup(self) -> float:
-        self.warm = True
-        return 0.0
-
-    def release(self) -> None:
-        self.warm = False
-
-    def submit(self, batch):
-        return self._device.submit(self._step, batch)
-
-    def run(self, batch) -> StepResult:
-        return self.submit(batch).result()
-
-    def _step(self, batch) -> StepResult:
-        start = time.perf_counter()
-        n = batch.num_seqs
-        ids = self._next[batch.host_tokens(self._last)[batch.logits_indices[:n]]]
-        self._last[batch.sampling["slots"][:n]] = ids
-        time.sleep(max(0.0, self.step_s - (time.perf_counter() - start)))
-        self.num_steps += 1
-        self.busy_s += time.perf_counter() - start
-        return StepResult(ids, np.zeros(n, np.float32), np.zeros((n, 20), np.int32),
-                          np.zeros((n, 20), np.float32))
 
 
 def simulate(args) -> dict:

@@ -1,6 +1,6 @@
 """Multi-host serving: process 0 leads, the other processes follow step by step.
 
-Every process has called `jax.distributed.initialize` (device.init_distributed), so
+Every process has called `jax.distributed.initialize` (distributed.init_distributed), so
 one mesh spans all their devices and every compiled step is an SPMD program that all of
 them must run together. Process 0 runs the scheduler and the HTTP server; before each
 thing it runs on the devices it sends the same command to the followers over this step

@@ -13,8 +13,8 @@ import concurrent.futures
 import pickle
 import sys
 
-from engine import device
 from engine.model_runner import ModelRunner
+from engine.step_table import compile_workers
 
 
 def main(path: str) -> int:
@@ -24,7 +24,7 @@ def main(path: str) -> int:
     if runner.store is None:
         print("no executable store in the child", file=sys.stderr)
         return 1
-    workers = device.compile_workers()  # as in warmup
+    workers = compile_workers()  # as in warmup
     # What does not reach the store (a backend that cannot serialize) the parent compiles.
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         for _ in pool.map(runner.compile_bucket, buckets):

@@ -8,7 +8,7 @@ import functools
 # The --quantization choices: ops.quantization.CHOICES (this module imports no jax; a test
 # holds the two equal).
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "w8a8")
-# The --kv-cache-dtype choices: ops.attention.KV_CACHE_DTYPES (held equal by a test too).
+# The --kv-cache-dtype choices: ops.kv_cache.KV_CACHE_DTYPES (held equal by a test too).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 # The --layer-loop choices (models.llama.unrolls_layers).
 LAYER_LOOPS = ("scan", "unroll")
@@ -16,7 +16,7 @@ LAYER_LOOPS = ("scan", "unroll")
 # saves ~0.5-1 ms a token with it (2-core CPU), 8 sequences nothing measurable, and each
 # fused executable holds ~30 MiB more (docs/performance.md).
 FUSED_MAX_SEQS = 1
-# A request's outputs wait on its stream until the consumer takes them (engine/async_engine.py).
+# A request's outputs wait on its stream until the consumer takes them (engine/request_stream.py).
 # Past STREAM_MAX_ITEMS waiting outputs a new delta merges into the last one, so a consumer
 # that lags costs memory for the new tokens only; past STREAM_BACKLOG_LIMIT waiting token ids
 # and top logprobs (~130 bytes each as Python objects with 20 top logprobs a token: ~32 MiB)
@@ -63,7 +63,7 @@ class EngineConfig:
     quantization: str = "auto"          # auto | none | int8 | int4: weight-only; auto keeps a
                                         # GGUF's Q8_0/Q4_0/Q4_1 blocks (ops/quantization.py)
     kv_cache_dtype: str = "auto"        # the KV pages' dtype; auto: float16 on CPU, the
-                                        # compute dtype elsewhere (ops.attention)
+                                        # compute dtype elsewhere (ops.kv_cache)
     max_model_len: int = 2048           # prompt + output tokens per sequence
     max_num_seqs: int = 64              # sequences per step
     max_num_batched_tokens: int = 512   # tokens per step (prefill chunks + decodes)

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from models.config import FULL, SLIDING, ModelConfig, rope_scaling_from
-from models.llama import Llama, ParamSpec
+from models.llama import Llama
+from models.parameters import ParamSpec
 from ops.invariant import mean_square
 
 NORMS = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")

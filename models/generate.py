@@ -14,7 +14,8 @@ from flax import nnx
 
 from models.llama import Llama
 from models.sharding import kv_cache_sharding
-from ops.attention import AttentionMetadata, KVCache, kv_storage_dtype
+from ops.attention import AttentionMetadata
+from ops.kv_cache import KVCache, kv_storage_dtype
 from ops.quantization import CHOICES
 
 

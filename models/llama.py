@@ -1,12 +1,12 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in Flax NNX, and the base
 class of the other families (models/registry.py).
 
-Every parameter is described once in `param_specs` (shape, logical axes, init);
-the module, the abstract shapes used by the loaders and the weight-name maps all
-derive from that table. Layers are stacked on a leading axis and run under
+Every parameter is described once in `param_specs` (shape, logical axes, init:
+models/parameters.py); the module, the abstract shapes used by the loaders and the
+weight-name maps all derive from that table. Layers are stacked on a leading axis and run under
 `lax.scan`, so compile time does not grow with depth; layers of different kinds
 (Gemma 3's sliding and full ones) are scanned a period of kinds at a time. The forward
-pass is one ragged batch of tokens over the paged KV cache (see ops/attention.py).
+pass is one ragged batch of tokens over the paged KV cache (ops/attention.py, ops/kv_cache.py).
 On a GPU the layers are unrolled instead (`unroll_layers`, `--layer-loop`): XLA:GPU copies
 a weight sliced at a loop index before its product, and reads a constant slice in place.
 
@@ -25,29 +25,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
+from models.parameters import ParamSpec, init_param, quantized_specs, vocab_matrix, weight
 from models.rope import apply_rope, rope_inv_freq
 from models.smoothing import record
-from ops.attention import (
-    AttentionMetadata,
-    KVCache,
-    ragged_paged_attention,
-    resolve_backend,
-    write_kv,
-)
+from ops.attention import AttentionMetadata, ragged_paged_attention, resolve_backend
 from ops.invariant import mean_square
-from ops.quantization import (
-    RARE,
-    SCALE_DTYPE,
-    VOCAB_MATRICES,
-    QuantFormat,
-    embedding,
-    frequent_rows,
-    linear,
-    linears,
-    runs_native,
-    stacked,
-    vocab_linear,
-)
+from ops.kv_cache import KVCache, write_kv
+from ops.quantization import QuantFormat
+from ops.quantized_linear import linear, linears, runs_native, stacked
+from ops.vocab_blocks import embedding, vocab_linear
 
 # llama.cpp's tensor names within `blk.{i}.` -> HF's within `model.layers.{i}.` (Llama).
 _GGUF_LAYER = {
@@ -64,48 +50,6 @@ _GGUF_LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    shape: tuple[int, ...]
-    axes: tuple[str, ...]  # logical axis names, one per dim
-    init: str = "normal"   # "normal" | "ones" | "zeros"
-    dtype: object = None   # None: the model's dtype
-
-
-# Matrices that may be quantized (ops/quantization.py). Every matrix is stored [..., out, in],
-# the layout of HF's Linear and of GGUF: XLA:CPU's one-row matrix-vector product is 2.5x
-# faster on it than on [in, out] and no slower at more rows (docs/performance.md).
-QUANTIZABLE = ("embed", "lm_head", "layers.wq", "layers.wk", "layers.wv", "layers.wo",
-               "layers.w_gate", "layers.w_up", "layers.w_down")
-
-
-def _init(spec: ParamSpec, key, dtype):
-    dtype = spec.dtype or dtype
-    if spec.init == "ones":
-        return jnp.ones(spec.shape, dtype)
-    if spec.init == "zeros":
-        return jnp.zeros(spec.shape, dtype)
-    return (0.02 * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
-
-
-def weight(params: dict, name: str):
-    """A matrix as `linear` takes it: the float array, or its quantized parts."""
-    if name + "_scale" not in params:
-        return params[name]
-    parts = {"q": params[name], "scale": params[name + "_scale"]}
-    if name + "_min" in params:
-        parts["min"] = params[name + "_min"]
-    return parts
-
-
-def vocab_matrix(params: dict, name: str) -> tuple:
-    """A vocabulary matrix as row blocks (ops/quantization.py `embedding`, `vocab_linear`):
-    the whole one, or under int4 its frequent rows and the rest."""
-    if name + RARE in params:
-        return weight(params, name), weight(params, name + RARE)
-    return (weight(params, name),)
 
 
 class _Stack(nnx.Module):
@@ -158,29 +102,7 @@ class Llama(nnx.Module):
                     ) -> dict[str, ParamSpec]:
         """`float_specs`, where a matrix quantized as `quant[name]` becomes `name` (integer
         values), `name_scale` and maybe `name_min`."""
-        specs = cls.float_specs(cfg)
-        for name in quant or {}:  # an int4 vocabulary matrix's rows, split (ops/quantization)
-            whole = name.removesuffix(RARE)
-            if name != whole and whole in specs and whole in VOCAB_MATRICES:
-                spec, rows = specs[whole], frequent_rows(specs[whole].shape[0])
-                if rows is None or whole not in quant:
-                    raise ValueError(f"{name!r}: {whole!r} does not split")
-                specs[whole] = dataclasses.replace(spec, shape=(rows, *spec.shape[1:]))
-                specs[name] = dataclasses.replace(
-                    spec, shape=(spec.shape[0] - rows, *spec.shape[1:]))
-        for name, fmt in (quant or {}).items():
-            if name not in specs or name.removesuffix(RARE) not in QUANTIZABLE:
-                raise ValueError(f"{name!r} is not a quantizable parameter of this model")
-            spec = specs[name]
-            scale_shape = (*spec.shape[:-1], fmt.scale_columns(spec.shape[-1]))
-            specs[name] = dataclasses.replace(spec, shape=fmt.storage_shape(spec.shape),
-                                              init="zeros", dtype=fmt.storage_dtype())
-            # Group scales split with their inputs; one scale per row is the same on every shard.
-            axes = spec.axes if fmt.group else (*spec.axes[:-1], "row_scale")
-            specs[name + "_scale"] = ParamSpec(scale_shape, axes, "ones", SCALE_DTYPE)
-            if fmt.has_min:
-                specs[name + "_min"] = ParamSpec(scale_shape, axes, "zeros", SCALE_DTYPE)
-        return specs
+        return quantized_specs(cls.float_specs(cfg), quant)
 
     @classmethod
     def layer_tensors(cls, cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -230,7 +152,7 @@ class Llama(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype  # activations (and float weights)
         self.quant = tuple(sorted((quant or {}).items()))  # (parameter name, format) pairs
-        # w8a8: every matrix is per-channel int8; its matmuls read int8 rows (ops/quantization)
+        # w8a8: every matrix is per-channel int8; its matmuls read int8 rows (ops/quantized_linear)
         self.int8_activations = any(fmt.activations == 8 for fmt in (quant or {}).values())
         self.attention_backend = resolve_backend(attention_backend)  # "auto" -> the platform's
         self.mesh = mesh  # a tensor-parallel mesh (models/sharding.py), or None
@@ -249,7 +171,7 @@ class Llama(nnx.Module):
         # (docs/architecture.md, "Batch-invariant rows"). Set by the engine before it splits
         # the model.
         self.batch_invariant = False
-        params = {name: nnx.Param(_init(spec, rngs.params(), dtype))
+        params = {name: nnx.Param(init_param(spec, rngs.params(), dtype))
                   for name, spec in self.param_specs(cfg, quant).items()}
         self.top_names = tuple(n for n in params if not n.startswith("layers."))
         for name in self.top_names:  # embed, final_norm, lm_head (and their quantization parts)
@@ -329,7 +251,7 @@ class Llama(nnx.Module):
     def layer_params(self, stack: dict, idx) -> dict:
         """Layer `idx`'s parameters from the stacked ones: each sliced, except quantized
         matrices under the CPU kernel, which get the whole stack and the index
-        (ops.quantization.stacked)."""
+        (ops.quantized_linear.stacked)."""
         matrices = {n for n in stack if n + "_scale" in stack} if self.native_matmuls else ()
         parts = {n + suffix for n in matrices for suffix in ("_scale", "_min")}
         take = ((lambda a: a[idx]) if isinstance(idx, int)  # unrolled: a constant slice
@@ -398,7 +320,7 @@ class Llama(nnx.Module):
         return linear(x, w, out_dtype, **self._matmul_options())
 
     def _matmul_options(self) -> dict:
-        """How this model's matmuls run (ops.quantization.linear's keyword arguments)."""
+        """How this model's matmuls run (ops.quantized_linear.linear's keyword arguments)."""
         return dict(chunked=self.mesh is None, int8_activations=self.int8_activations,
                     native=self.native_matmuls, any_rows=self.batch_invariant)
 

@@ -21,8 +21,9 @@ from models.hf_loader import load_hf_params
 from models.llama import Llama
 from models.sharding import param_shardings, repeat_kv_heads, sharded_config
 from models.weights import build_model, pack_params, quant_plan, quantize_params
-from ops.attention import TENSOR_AXIS
-from ops.quantization import held_bytes, runs_native
+from ops.quantization import held_bytes
+from ops.quantized_linear import runs_native
+from ops.shard import TENSOR_AXIS
 
 logger = logging.getLogger(__name__)
 

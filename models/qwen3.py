@@ -4,7 +4,8 @@ RoPE, and an explicit head_dim (not hidden / heads; config.py reads it for every
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.llama import Llama, ParamSpec, rms_norm
+from models.llama import Llama, rms_norm
+from models.parameters import ParamSpec
 
 
 class Qwen3(Llama):

@@ -6,7 +6,7 @@ and the vocabulary (when the size divides it) are split over it; everything else
 replicated. XLA's SPMD partitioner
 then splits the matmuls and inserts the all-reduces (after the attention output projection
 and the MLP down projection); attention itself runs per shard under `shard_map` (see
-ops/attention.py), each device over its own heads and its own KV pages.
+ops/shard.py), each device over its own heads and its own KV pages.
 
 KV heads fewer than the tensor-parallel size N: each KV head is repeated N / num_kv_heads
 times when the weights are loaded, so every device holds the one KV head its query heads
@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
 from models.registry import param_specs
-from ops.attention import TENSOR_AXIS
+from ops.shard import TENSOR_AXIS
 
 RULES: dict[str, str | None] = {
     "heads": TENSOR_AXIS,

@@ -19,23 +19,12 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from models.config import ModelConfig
-from models.llama import QUANTIZABLE
+from models.parameters import QUANTIZABLE
 from models.progress import progress_bar
 from models.registry import model_class, param_specs
-from ops.quantization import (
-    RARE,
-    VOCAB_MATRICES,
-    QuantFormat,
-    dequantize,
-    frequent_rows,
-    pack,
-    packed_formats,
-    quantize,
-    rows_of,
-    runs_native,
-    scheme_format,
-    split_rows,
-)
+from ops.quantization import VOCAB_MATRICES, QuantFormat, dequantize, pack, quantize, scheme_format
+from ops.quantized_linear import packed_formats, runs_native
+from ops.vocab_blocks import RARE, frequent_rows, rows_of, split_rows
 
 
 class WeightError(ValueError):
@@ -73,7 +62,7 @@ def quant_plan(cfg: ModelConfig, quantization: str | None,
     matmuls need its own format, so it requantizes them); under a scheme the others get its
     format, under "auto" they stay float. None or "none": every weight in float. Under
     int4 an 8-bit vocabulary matrix `name` holds its frequent rows only, the rest are
-    `name + RARE` in int4 (ops/quantization.py FREQUENT_ROWS)."""
+    `name + RARE` in int4 (ops/vocab_blocks.py FREQUENT_ROWS)."""
     if quantization in (None, "none"):
         return {}
     plan = {}
@@ -88,7 +77,7 @@ def quant_plan(cfg: ModelConfig, quantization: str | None,
         elif wanted is not None:
             plan[name] = wanted
     if quantization == "int4" and frequent_rows(cfg.vocab_size) is not None:
-        for name in VOCAB_MATRICES:  # 8 bits for the frequent rows only (ops/quantization.py)
+        for name in VOCAB_MATRICES:  # 8 bits for the frequent rows only (ops/vocab_blocks.py)
             if name in plan and plan[name].bits == 8:
                 plan[name + RARE] = scheme_format("int4")
     return plan
@@ -255,7 +244,7 @@ def random_model(cfg: ModelConfig, dtype, *, seed: int = 0, attention_backend: s
     """Random weights of real shapes (benchmarks without the weights), made on the devices,
     directly in their shardings under a tensor-parallel `mesh`, and quantized there."""
     from models.sharding import param_shardings, sharded_config
-    from ops.attention import TENSOR_AXIS
+    from ops.shard import TENSOR_AXIS
 
     run_cfg = cfg if mesh is None else sharded_config(cfg, mesh.shape[TENSOR_AXIS])
     plan = quant_plan(run_cfg, quantization)

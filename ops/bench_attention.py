@@ -35,13 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ops.attention import (
-    BACKENDS,
-    AttentionMetadata,
-    KVCache,
-    ragged_paged_attention,
-    row_layout,
-)
+from ops.attention import BACKENDS, AttentionMetadata, ragged_paged_attention, row_layout
+from ops.kv_cache import KVCache
 
 LLAMA3_8B = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 ROTATE_BYTES = 512 << 20  # rotate among input sets until they exceed any cache (H100 L2: 50 MB)

@@ -1,6 +1,6 @@
 """Quantized matmul benchmark: `python -m ops.bench_quantization`.
 
-Times `ops.quantization.linear` as the model runs it off the CPU kernel (a loop over stacked
+Times `ops.quantized_linear.linear` as the model runs it off the CPU kernel (a loop over stacked
 layers, each layer's matrix sliced and multiplied), for the compute dtype's float weights,
 int8 per output channel and int4 in groups of 32 with minimums (Q4_1's format), at several
 row counts, on random weights of one matrix shape (default: Llama-3-8B's MLP gate/up
@@ -31,14 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from ops.bench_attention import measure_ceilings, rel_err, time_median
-from ops.quantization import (
-    QuantFormat,
-    channel_sums,
-    dequantize,
-    held_bytes,
-    linear,
-    quantize,
-)
+from ops.quantization import QuantFormat, dequantize, held_bytes, quantize
+from ops.quantized_linear import channel_sums, linear
 
 FORMATS = {"float": None, "int8": QuantFormat(8, 0), "int4": QuantFormat(4, 32, has_min=True),
            # candidates: `reduce_linear` at any row count, and float weights so

@@ -1,7 +1,7 @@
 """xlaserve's directory in the user cache, and reading code back from it.
 
-Two things kept there are code: compiled step executables (pickles, engine/device.py's
-executable store) and the CPU kernels' shared library (ops/native). Whoever can change
+Two things kept there are code: compiled step executables (pickles, the executable store
+of engine/executable_store.py) and the CPU kernels' shared library (ops/native). Whoever can change
 either runs code as the user who loads it, and their names are keys anyone can compute.
 So what xlaserve creates there is private (directories 0700, files 0600), and nothing is
 loaded unless the file and every directory from its store's root down to it belong to

@@ -3,7 +3,8 @@
 The CPU's `auto` backend where the kernel could be built (ops/native). It reads one layer
 of the KV pool in place (float32, float16, bfloat16 or int8 pages), each sequence's keys
 once and only up to each row's own position, and computes in float32 with an online
-softmax; the pure-JAX reference (ops/attention.py) is its ground truth in the tests.
+softmax; the pure-JAX reference (ops/reference_attention.py) is its ground truth in the
+tests.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ops import native
-from ops.attention import AttentionMetadata, KVCache, check_inputs
+from ops.attention import AttentionMetadata, check_inputs
+from ops.kv_cache import KVCache
 
 PAGE_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.float16, jnp.bfloat16, jnp.int8))
 MAX_HEAD_DIM = 256  # attention.cc's kMaxHeadDim
@@ -32,9 +34,9 @@ def cpu_ragged_paged_attention(
     soft_cap: float | None = None,
     split: bool = True,
 ) -> jax.Array:            # [T, H, D] in q's dtype
-    """The reference's contract (ops.attention.ref_ragged_paged_attention), in the kernel.
-    `split`: a lone long decode may be cut by keys over XLA's threads (faster, but its last
-    bits then depend on how many sequences share the step)."""
+    """The reference's contract (ops/reference_attention.py), in the kernel. `split`: a lone
+    long decode may be cut by keys over XLA's threads (faster, but its last bits then depend
+    on how many sequences share the step)."""
     check_inputs(q, cache, md)
     num_heads, head_dim = q.shape[1:]
     if cache.k.dtype not in PAGE_DTYPES:

@@ -1,6 +1,6 @@
 """Ragged paged attention as a Pallas GPU (Triton) kernel; runs on CPU with `interpret=True`.
 
-Same signature and semantics as `ref_ragged_paged_attention` in ops/attention.py.
+Same signature and semantics as `ref_ragged_paged_attention` in ops/reference_attention.py.
 
 Design (flash-decoding over blocks of pages):
 
@@ -47,13 +47,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from ops.attention import (
-    AttentionMetadata,
-    KVCache,
-    check_inputs,
-    num_work_items,
-    work_items,
-)
+from ops.attention import AttentionMetadata, check_inputs, num_work_items, work_items
+from ops.kv_cache import KVCache
 
 # Tuning guesses (never measured on a GPU).
 _MIN_DOT_DIM = 16          # Triton's smallest dot dimension

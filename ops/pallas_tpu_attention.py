@@ -1,6 +1,6 @@
 """Ragged paged attention as a Pallas TPU (Mosaic) kernel; runs on CPU in TPU interpret mode.
 
-Same signature and semantics as `ref_ragged_paged_attention` in ops/attention.py.
+Same signature and semantics as `ref_ragged_paged_attention` in ops/reference_attention.py.
 
 Design. Outside the kernel (plain JAX) the ragged batch is cut into a static number of
 *work items*, each up to `block_q` query rows of ONE sequence; there are at most
@@ -78,13 +78,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ops.attention import (
-    AttentionMetadata,
-    KVCache,
-    check_inputs,
-    num_work_items,
-    work_items,
-)
+from ops.attention import AttentionMetadata, check_inputs, num_work_items, work_items
+from ops.kv_cache import KVCache
 
 SMEM_BYTES = 1 << 20   # per TensorCore on TPU v4 and later
 TARGET_BLOCK_KV = 512  # keys per KV block when pages_per_block is not given

@@ -1,10 +1,11 @@
 """Sampling inside the compiled step: penalties, temperature, top-k / min-p / top-p, a
 seeded draw per row, and the raw logprobs the API reports.
 
-Every per-request parameter is a traced [S] array in `SamplingMetadata`, so a new
-temperature never recompiles. Semantics follow vLLM v1: penalties -> (greedy rows take the
-argmax here) -> temperature -> min-p -> top-k -> top-p -> draw; logprobs are the
-log-softmax of the raw logits (vLLM's default `raw_logprobs`).
+Every per-request parameter is a traced [S] array in `SamplingMetadata`
+(ops/sampling_metadata.py), so a new temperature never recompiles. Semantics follow vLLM
+v1: penalties -> (greedy rows take the argmax here) -> temperature -> min-p -> top-k ->
+top-p -> draw; logprobs are the log-softmax of the raw logits (vLLM's default
+`raw_logprobs`).
 
 Costs at S=64, V=49152 on the 2-core development CPU (a plain jnp.argmax there: ~15 ms;
 this whole call for greedy rows: ~3 ms): no filter sorts the vocabulary (a sort of that
@@ -27,93 +28,16 @@ Ids banned before `min_tokens` and a grammar's packed token mask (the `constrain
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-NUM_TOP_LOGPROBS = 20  # top logprobs computed per row; the engine slices to the requested N
-MAX_BANNED = 16        # ids per row that min_tokens can keep from being picked
+from ops.sampling_metadata import NUM_TOP_LOGPROBS, SampleOutput, SamplingMetadata, row_keys
+
 CANDIDATES = 64        # best tokens from which top-k / top-p cutoffs are read without bisection
 BLOCK = 256            # vocabulary block of the two-level argmax and inverse-CDF draw
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SamplingMetadata:
-    """One row per sequence; padding rows use `dummy` values (greedy, everything off)."""
-
-    temperature: jax.Array         # [S] f32; 0 = greedy (argmax of the penalized logits)
-    top_k: jax.Array               # [S] i32; 0 = off (values >= V are off too)
-    top_p: jax.Array               # [S] f32; 1 = off
-    min_p: jax.Array               # [S] f32; 0 = off
-    presence_penalty: jax.Array    # [S] f32; 0 = off
-    frequency_penalty: jax.Array   # [S] f32; 0 = off
-    repetition_penalty: jax.Array  # [S] f32; 1 = off
-    seeds: jax.Array               # [S, 2] u32: the row's 64-bit seed as (hi, lo), see seed_words
-    steps: jax.Array               # [S] i32: tokens generated so far (the draw's counter)
-    slots: jax.Array               # [S] i32: each row's row in the two tables below
-    output_counts: jax.Array       # [N, V] i32: per slot, how often each id was generated
-    prompt_mask: jax.Array         # [N, V] bool: per slot, the ids in the prompt
-    num_top_logprobs: jax.Array    # [S] i32: the request's `logprobs`: -1 none (its logprob is
-                                   # NaN), 0 its token's only, N the top N too; all < 1 skips
-                                   # the top-20, all -1 the log-softmax
-    banned_tokens: jax.Array       # [S, B] i32: ids the row may not pick now, padded with -1
-                                   # (EOS and stop tokens before min_tokens is reached)
-    constrained: jax.Array         # [S] i32: 1 where the row follows a grammar (token_mask)
-    token_mask: jax.Array          # [S, ceil(V / 32)] i32: packed allowed ids of the
-                                   # constrained rows (bit i % 32 of word i // 32 is id i)
-
-    @classmethod
-    def dummy(cls, num_seqs: int, vocab_size: int = 1):
-        """Host (numpy) arrays for `num_seqs` padding rows, row i on slot i of zeroed count
-        tables. Tests fill rows in place; warmup can pass it as is."""
-        s = num_seqs
-        return cls(
-            temperature=np.zeros(s, np.float32),
-            top_k=np.zeros(s, np.int32),
-            top_p=np.ones(s, np.float32),
-            min_p=np.zeros(s, np.float32),
-            presence_penalty=np.zeros(s, np.float32),
-            frequency_penalty=np.zeros(s, np.float32),
-            repetition_penalty=np.ones(s, np.float32),
-            seeds=np.zeros((s, 2), np.uint32),
-            steps=np.zeros(s, np.int32),
-            slots=np.arange(s, dtype=np.int32),
-            output_counts=np.zeros((s, vocab_size), np.int32),
-            prompt_mask=np.zeros((s, vocab_size), bool),
-            num_top_logprobs=np.full(s, -1, np.int32),
-            banned_tokens=np.full((s, MAX_BANNED), -1, np.int32),
-            constrained=np.zeros(s, np.int32),
-            token_mask=np.zeros((s, -(-vocab_size // 32)), np.int32),
-        )
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SampleOutput:
-    token_ids: jax.Array     # [S] i32
-    logprobs: jax.Array      # [S] f32: raw log-softmax at token_ids
-    top_ids: jax.Array       # [S, 20] i32: best first; -1 where skipped or V < 20
-    top_logprobs: jax.Array  # [S, 20] f32: raw log-softmax at top_ids; -inf where skipped
-
-
-def seed_words(seed: int) -> tuple[int, int]:
-    """A 64-bit seed as the (hi, lo) uint32 words of `SamplingMetadata.seeds`: the same words
-    as the key data of `jax.random.key(seed)` (threefry, x64 on, seed < 2^63)."""
-    if not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be in [0, 2^64), got {seed}")
-    return seed >> 32, seed & 0xFFFFFFFF
-
-
-def row_keys(md: SamplingMetadata) -> jax.Array:
-    """[S] typed PRNG keys that depend only on the row's (seed, step): the same request draws
-    the same token whatever else is in the batch and wherever its row sits."""
-    keys = jax.random.wrap_key_data(md.seeds, impl="threefry2x32")  # [S]
-    return jax.vmap(jax.random.fold_in)(keys, md.steps)
 
 
 def _skip_unless(pred: jax.Array, full: Callable, skipped: Callable, *operands):

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 version() { python3 -c "import importlib.metadata as m; print(m.version('$1'))"; }
 wheels=()
-for name in gguf starlette uvicorn pydantic pydantic-core annotated-types typing-inspection typing-extensions llguidance; do
+for name in gguf starlette uvicorn pydantic pydantic-core annotated-types typing-inspection typing-extensions llguidance pytest-xdist execnet; do
   wheels+=("$name==$(version "$name")")
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

@@ -28,23 +28,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.async_engine import AsyncEngine, Engines
+from server.chat import PROMPT_POOL, create_chat_completion
+from server.chat_protocol import ChatCompletionRequest, TokenizeRequest
+from server.completions import create_completion
 from server.errors import CLIENT_ERRORS, APIError, api_error
-from server.generation import (
-    PROMPT_POOL,
-    STREAM_STALL_TIMEOUT_S,
-    check_prompt_bytes,
-    create_chat_completion,
-    create_completion,
-)
+from server.generation import STREAM_STALL_TIMEOUT_S, check_prompt_bytes
 from server.metrics import ServerMetrics
 from server.middleware import APIKeyAuth, HostCheck, RequestLimits
 from server.openapi import ServedModel, openapi_schema
-from server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from server.protocol import CompletionRequest, DetokenizeRequest
 from server.reasoning import ReasoningParser
 from server.strict_json import InvalidJSON, parse_json
 

@@ -263,7 +263,7 @@ def join_cluster(args) -> int | None:
     """Multi-host: join jax.distributed; followers run until the leader goes and return an
     exit status, process 0 returns None once every follower is connected."""
     from engine import cluster
-    from engine.device import init_distributed
+    from engine.distributed import init_distributed
 
     if not args.coordinator_address:
         logger.error("--num-processes > 1 needs --coordinator-address HOST:PORT")

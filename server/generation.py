@@ -1,43 +1,36 @@
-"""POST /v1/completions and /v1/chat/completions: prompts in, choices out, whole or streamed.
+"""The shared core of /v1/completions and /v1/chat/completions (server/completions.py,
+server/chat.py): prompts in, choices out, whole or streamed.
 
 A request's prompts (a batch for completions, one rendered chat otherwise) each
 become one engine request with `n` sequences; choice `i * n + j` is sequence `j`
 of prompt `i`. Whatever way the HTTP exchange ends (done, error, client gone), every
 engine request it started is closed, which aborts the unfinished ones.
 
-Work on a prompt is bounded before it starts: chat templates run off the event loop (in
-`PROMPT_POOL`), and a prompt text longer in bytes than `max_model_len` tokens could spell is
-refused before it is tokenized.
+Work on a prompt is bounded before it starts: a prompt text longer in bytes than
+`max_model_len` tokens could spell is refused before it is tokenized.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Iterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.async_engine import AsyncEngine, RequestStream
+from engine.async_engine import AsyncEngine
 from engine.grammar import GrammarError
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob, accumulate
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.request_stream import RequestStream
+from engine.sampling_params import SamplingParams
 from server.errors import APIError, api_error
 from server.metrics import RequestTracker
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.reasoning import ReasoningParser, ReasoningStream
-from server.tool_parsers import ToolCall, ToolCallDelta, ToolParser, ToolStream, parser_for_template
 
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-# Renders chat templates for all requests, off the event loop. Two threads: a long render holds
-# the GIL in slices, so more would only slow the loop down, not the renders.
-PROMPT_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chat-template")
+FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 # --stream-stall-timeout: a streamed response whose write waits longer than this (the client
 # stopped reading and the connection's buffers are full) is ended and its requests aborted.
 # The app sets its own (`app.state.stream_stall_timeout`; None turns the check off).
@@ -47,40 +40,64 @@ logger = logging.getLogger(__name__)
 
 
 class Generation:
-    """One completions or chat request from start to its last byte."""
+    """One completions or chat request from start to its last byte. A subclass says what its
+    choices, chunks and logprobs look like (CompletionGeneration, ChatGeneration)."""
 
-    def __init__(self, chat: bool, model: str, engine: AsyncEngine, params: SamplingParams,
-                 tracker: RequestTracker, echo: bool = False, include_usage: bool = False,
+    ID_PREFIX: str  # of the response's id
+    OBJECT: str  # the whole response's "object"
+    CHUNK_OBJECT: str  # a streamed chunk's "object"
+    CHUNK_CONTENT: str  # the key of a streamed choice's content
+
+    def __init__(self, model: str, engine: AsyncEngine, params: SamplingParams,
+                 tracker: RequestTracker, include_usage: bool = False,
                  return_token_ids: bool = False, cache_salt: str | None = None,
-                 tools: ToolParser | None = None, structured_param: str = "structured_outputs",
-                 reasoning: ReasoningParser | None = None, prompt: str = ""):
-        self.chat = chat
-        self.tools = tools  # parses the replies' tool calls (chat with tools offered)
-        self.reasoning = reasoning  # splits the replies' reasoning off (chat, --reasoning-parser)
-        self.prompt = prompt  # the rendered chat: whether it opens a reasoning block
+                 structured_param: str = "structured_outputs"):
         self.structured_param = structured_param  # the request field a grammar error names
         self.model = model
         self.engine = engine
         self.params = params
         self.tracker = tracker
-        self.echo = echo
         self.include_usage = include_usage
         self.return_token_ids = return_token_ids
         self.cache_salt = cache_salt
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = f"{self.ID_PREFIX}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.streams: list[RequestStream] = []
-        self.prompt_texts: list[str] = []
         self.last: dict[int, RequestOutput] = {}
-        # Per streamed chat choice: its reasoning and its tool calls as they come.
-        self._reasoning_streams: dict[int, ReasoningStream] = {}
-        self._tool_streams: dict[int, ToolStream] = {}
+
+    # ---- what a subclass says -----------------------------------------------------------
+
+    def _check_prompt(self, prompt: str) -> None:
+        """Raises an APIError for a text prompt too long to tokenize."""
+        raise NotImplementedError
+
+    def _accepted(self, prompt: str | list[int]) -> None:
+        """Called once a prompt's engine request is started."""
+
+    def _choice(self, i: int, index: int, c: CompletionOutput) -> dict:
+        """Choice `index` of a whole response: prompt i's output c, all of it."""
+        raise NotImplementedError
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> dict:
+        """A streamed chunk's logprobs (of the new tokens)."""
+        raise NotImplementedError
+
+    def _opening(self) -> Iterator[str]:
+        """The events a stream starts with, before any output."""
+        return iter(())
+
+    def _delta(self, index: int, c: CompletionOutput) -> tuple[object, str | None] | None:
+        """A streamed choice's content for one output, and its finish_reason; None when the
+        chunk is held back."""
+        raise NotImplementedError
+
+    # ---- engine requests ----------------------------------------------------------------
 
     async def start(self, prompts: list[str | list[int]], add_special_tokens: bool) -> None:
         try:
             for i, prompt in enumerate(prompts):
                 if isinstance(prompt, str):
-                    check_prompt_bytes(self.engine, prompt, self.chat)
+                    self._check_prompt(prompt)
                 try:
                     stream = await self.engine.add_request(prompt, self.params, f"{self.id}-{i}",
                                                            add_special_tokens, self.cache_salt)
@@ -88,9 +105,7 @@ class Generation:
                     raise APIError(400, str(e), param=self.structured_param) from None
                 self.streams.append(stream)
                 self.tracker.accepted(len(stream.prompt_token_ids))
-                if self.echo:
-                    self.prompt_texts.append(prompt if isinstance(prompt, str)
-                                             else self.engine.decode(prompt))
+                self._accepted(prompt)
         except BaseException:
             self.close()
             raise
@@ -151,38 +166,18 @@ class Generation:
         choices = []
         for i in range(len(self.streams)):
             for c in self.last[i].outputs:
-                choices.append(self._choice(i, c))
-        return JSONResponse({"id": self.id, "object": self._object(False),
+                choice = self._choice(i, i * self.params.n + c.index, c)
+                if self.return_token_ids:
+                    choice.update(prompt_token_ids=self.streams[i].prompt_token_ids,
+                                  token_ids=c.token_ids)
+                choices.append(choice)
+        return JSONResponse({"id": self.id, "object": self.OBJECT,
                              "created": self.created, "model": self.model,
                              "choices": choices, "usage": self.usage()})
 
     async def _collect(self) -> None:
         async for _ in self.outputs(logprobs=True):
             pass
-
-    def _choice(self, i: int, c: CompletionOutput) -> dict:
-        index = i * self.params.n + c.index
-        if self.chat:
-            message = {"role": "assistant", "content": c.text}
-            if self.reasoning is not None:  # tool calls are parsed from the content alone
-                message["reasoning_content"], message["content"] = self.reasoning.split(c.text)
-            finish = _FINISH.get(c.finish_reason)
-            if self.tools is not None:
-                content, calls = self.tools.parse(message["content"] or "")
-                if calls:
-                    message.update(content=content, tool_calls=[_call(call) for call in calls])
-                    finish = "tool_calls"
-            choice = {"index": index, "message": message,
-                      "logprobs": self._chat_logprobs(c.logprobs), "finish_reason": finish}
-        else:
-            prefix = self.prompt_texts[i] if self.echo else ""
-            choice = {"index": index, "text": prefix + c.text,
-                      "logprobs": self._completion_logprobs(c.logprobs, len(prefix)),
-                      "finish_reason": _FINISH.get(c.finish_reason)}
-        if self.return_token_ids:
-            choice.update(prompt_token_ids=self.streams[i].prompt_token_ids,
-                          token_ids=c.token_ids)
-        return choice
 
     def usage(self) -> dict:
         prompt = sum(len(s.prompt_token_ids) for s in self.streams)
@@ -191,39 +186,6 @@ class Generation:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
-
-    def _object(self, chunk: bool) -> str:
-        if self.chat:
-            return "chat.completion.chunk" if chunk else "chat.completion"
-        return "text_completion"
-
-    # ---- logprobs -----------------------------------------------------------------------
-
-    def _completion_logprobs(self, lps: list[TokenLogprob] | None, offset: int) -> dict | None:
-        if lps is None:
-            return None
-        tokens = self.engine.token_texts([lp.token_id for lp in lps])
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
-                "top_logprobs": [
-                    {text: _finite(v) for text, (_, v) in zip(
-                        self.engine.token_texts([t for t, _ in lp.top]), lp.top, strict=True)}
-                    for lp in lps],
-                "text_offset": offsets}
-
-    def _chat_logprobs(self, lps: list[TokenLogprob] | None) -> dict | None:
-        if lps is None:
-            return None
-
-        def entry(token_id: int, logprob: float) -> dict:
-            text = self.engine.token_texts([token_id])[0]
-            return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
-
-        return {"content": [{**entry(lp.token_id, lp.logprob),
-                             "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
 
     # ---- streams ------------------------------------------------------------------------
 
@@ -235,13 +197,8 @@ class Generation:
         n = self.params.n
         finished: set[int] = set()
         try:
-            if self.chat:  # the role comes first, once per choice, as OpenAI sends it
-                for index in range(len(self.streams) * n):
-                    yield self._chunk(index, {"role": "assistant", "content": ""}, None, None)
-            elif self.echo:
-                for i, text in enumerate(self.prompt_texts):
-                    for j in range(n):
-                        yield self._chunk(i * n + j, text, None, None)
+            for event in self._opening():
+                yield event
             async for i, out in self.outputs():
                 for c in out.outputs:
                     index = i * n + c.index
@@ -250,62 +207,29 @@ class Generation:
                     lps = c.logprobs or None  # (a delta: the new tokens' logprobs)
                     if not (c.text or lps or c.finish_reason):
                         continue
-                    logprobs = (self._chat_logprobs(lps) if self.chat
-                                else self._completion_logprobs(lps, 0)) if lps else None
-                    if self.chat:
-                        content, finish = self._chat_delta(index, c)
-                        if not (content or lps or finish):
-                            continue  # held back: maybe the start of a tag or a call
-                    else:
-                        content, finish = c.text, _FINISH.get(c.finish_reason)
+                    logprobs = self._logprobs(lps) if lps else None
+                    delta = self._delta(index, c)
+                    if delta is None:
+                        continue
+                    content, finish = delta
                     yield self._chunk(index, content, logprobs, finish, c.token_ids)
                     if c.finish_reason:
                         finished.add(index)
             if self.include_usage:
-                yield _sse({"id": self.id, "object": self._object(True),
-                            "created": self.created, "model": self.model, "choices": [],
-                            "usage": self.usage()})
+                yield _sse({"id": self.id, "object": self.CHUNK_OBJECT,
+                           "created": self.created, "model": self.model, "choices": [],
+                           "usage": self.usage()})
         except Exception as e:  # mid-stream failure: an error event, then [DONE]
             yield _sse(api_error(e).body())
         yield "data: [DONE]\n\n"
 
-    def _chat_delta(self, index: int, c: CompletionOutput) -> tuple[dict, str | None]:
-        """A chat choice's delta for one output, and its finish_reason: reasoning split off
-        first, then tool calls parsed from the content."""
-        finish = _FINISH.get(c.finish_reason)
-        delta: dict = {}
-        text = c.text  # (the output is a delta)
-        if self.reasoning is not None:
-            thinking = self._reasoning_streams.setdefault(index,
-                                                          self.reasoning.stream(self.prompt))
-            thought, text = thinking.feed(text)
-            if c.finish_reason:
-                more_thought, more = thinking.finish()
-                thought, text = thought + more_thought, text + more
-            if thought:
-                delta["reasoning_content"] = thought
-        if self.tools is not None:
-            calls = self._tool_streams.setdefault(index, self.tools.stream())
-            text, deltas = calls.feed(text)
-            if c.finish_reason:
-                more, last = calls.finish()
-                text, deltas = text + more, deltas + last
-                finish = "tool_calls" if calls.calls else finish
-            if deltas:
-                delta["tool_calls"] = [_call_delta(d) for d in deltas]
-        plain = self.reasoning is None and self.tools is None
-        if text or (plain and not c.finish_reason):  # (plain: logprobs alone come with "")
-            delta = {"content": text, **delta}
-        return delta, finish
-
     def _chunk(self, index: int, content, logprobs, finish_reason,
                token_ids: list[int] = ()) -> str:
-        choice = ({"index": index, "delta": content} if self.chat
-                  else {"index": index, "text": content})
+        choice = {"index": index, self.CHUNK_CONTENT: content}
         choice.update(logprobs=logprobs, finish_reason=finish_reason)
         if self.return_token_ids:
             choice["token_ids"] = list(token_ids)
-        body = {"id": self.id, "object": self._object(True), "created": self.created,
+        body = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created,
                 "model": self.model, "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
@@ -353,26 +277,11 @@ class _ClosingStream(StreamingResponse):
                 pass
 
 
-def _call(call: ToolCall) -> dict:
-    return {"id": call.id, "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def _call_delta(d: ToolCallDelta) -> dict:
-    """OpenAI's streamed form: id, type and name on a call's first piece only."""
-    out: dict = {"index": d.index}
-    if d.id is not None:
-        out.update(id=d.id, type="function", function={"name": d.name, "arguments": d.arguments})
-    else:
-        out["function"] = {"arguments": d.arguments}
-    return out
-
-
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _finite(logprob: float) -> float:
+def finite(logprob: float) -> float:
     return max(float(logprob), -9999.0)  # JSON has no -inf
 
 
@@ -393,60 +302,3 @@ def check_prompt_bytes(engine: AsyncEngine, prompt: str, chat: bool) -> None:
                             f"maximum context length of {engine.max_model_len} tokens can hold "
                             f"(at most {per_token} bytes a token)",
                        param="messages" if chat else "prompt", code="context_length_exceeded")
-
-
-def _render_chat(engine: AsyncEngine, req: ChatCompletionRequest
-                 ) -> tuple[str, ToolParser | None]:
-    """The chat's prompt text and the parser of its replies' tool calls (in PROMPT_POOL)."""
-    extra = dict(req.chat_template_kwargs or {})
-    parser = None
-    try:
-        if req.tool_mode != "none":
-            parser = parser_for_template(engine.chat_template.source)
-            extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-        prompt = engine.render_chat([m.for_template() for m in req.messages],
-                                    req.add_generation_prompt, **extra)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
-    return prompt, parser
-
-
-# ---- the two endpoints ----------------------------------------------------------------------
-
-
-async def create_completion(request: Request, req: CompletionRequest, model: str,
-                            engine: AsyncEngine, tracker: RequestTracker) -> Response:
-    gen = Generation(False, model, engine, req.to_sampling_params(engine.sampling_defaults),
-                     tracker, echo=req.echo,
-                     include_usage=req.include_usage, return_token_ids=req.return_token_ids,
-                     cache_salt=req.cache_salt)  # (a grammar here comes from structured_outputs)
-    await gen.start(req.prompts(), add_special_tokens=True)
-    return gen.stream_response() if req.stream else await gen.response(request)
-
-
-async def create_chat_completion(request: Request, req: ChatCompletionRequest, model: str,
-                                 engine: AsyncEngine, tracker: RequestTracker,
-                                 reasoning: ReasoningParser | None = None,
-                                 allow_special_tokens_in_messages: bool = False) -> Response:
-    """`allow_special_tokens_in_messages`: special-token text in the request (`<|im_end|>` in a
-    message) becomes those tokens, as it did before; by default only the template writes them."""
-    params = req.to_sampling_params(engine.sampling_defaults)
-    structured_param = req.structured_field
-    prompt, parser = await asyncio.get_running_loop().run_in_executor(
-        PROMPT_POOL, _render_chat, engine, req)
-    if allow_special_tokens_in_messages:
-        prompt = str(prompt)  # a plain str: every special token's text is parsed
-    if req.tool_mode in ("required", "named"):  # the reply is calls: constrain it to them
-        tools = [{"name": t.function.name, "parameters": t.function.parameters}
-                 for t in req.active_tools()]
-        grammar = parser.grammar(tools, req.parallel_tool_calls and req.tool_mode == "required")
-        params = dataclasses.replace(params,
-                                     structured_outputs=StructuredOutputsParams(grammar=grammar))
-        structured_param = "tools"
-    gen = Generation(True, model, engine, params, tracker, include_usage=req.include_usage,
-                     return_token_ids=req.return_token_ids, cache_salt=req.cache_salt,
-                     tools=parser, structured_param=structured_param, reasoning=reasoning,
-                     prompt=prompt)
-    # The template writes the special tokens (BOS included) itself.
-    await gen.start([prompt], add_special_tokens=False)
-    return gen.stream_response() if req.stream else await gen.response(request)

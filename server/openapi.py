@@ -8,12 +8,8 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
-from server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from server.chat_protocol import ChatCompletionRequest, TokenizeRequest
+from server.protocol import CompletionRequest, DetokenizeRequest
 
 _ERROR = {
     "type": "object",

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ops.attention import AttentionMetadata, KVCache, ref_ragged_paged_attention, row_layout
+from ops.attention import AttentionMetadata, row_layout
+from ops.kv_cache import KVCache
+from ops.reference_attention import ref_ragged_paged_attention
 
 KINDS = ("decode", "prefill", "mixed")
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}

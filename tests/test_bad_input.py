@@ -23,12 +23,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from engine.async_engine import Engines
-from server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from server.chat_protocol import ChatCompletionRequest, TokenizeRequest
+from server.protocol import CompletionRequest, DetokenizeRequest
 from server.tool_parsers import HermesParser, Llama3JsonParser
 
 USER = [{"role": "user", "content": "hi"}]

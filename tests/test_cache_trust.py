@@ -1,5 +1,5 @@
 """What xlaserve loads from its cache is code, so it must be this user's alone
-(ops/cache_trust.py): the executable store (engine/device.py) and the CPU kernels' library
+(ops/cache_trust.py): the executable store (engine/executable_store.py) and the CPU kernels' library
 (ops/native) are created private, and a file is refused, with a warning naming the path and
 why, when it or a directory on the way to it could be changed by someone else; what was
 refused is compiled or built afresh, never loaded."""
@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from engine import device
 from engine.config import EngineConfig
-from engine.device import ExecutableStore
+from engine.executable_store import ExecutableStore, executable_store_dir
 from engine.model_runner import ModelRunner
 from ops import cache_trust, native
 
@@ -42,7 +41,7 @@ def umask022():
 @pytest.fixture
 def store_dir(tmp_path, monkeypatch, caplog, umask022):
     """A store root that does not exist yet (the store makes it)."""
-    caplog.set_level(logging.WARNING, logger="engine.device")
+    caplog.set_level(logging.WARNING, logger="engine.executable_store")
     monkeypatch.setenv("XLASERVE_COMPILE_CACHE", str(tmp_path / "store"))
     return tmp_path / "store"
 
@@ -61,7 +60,7 @@ def tiny_executable():
 
 def _store() -> ExecutableStore:
     """The store a runner of this process gets (None when executable_store_dir refuses)."""
-    root = device.executable_store_dir()
+    root = executable_store_dir()
     return None if root is None else ExecutableStore(root, "key", jax.devices()[:1])
 
 
@@ -100,7 +99,7 @@ def test_a_group_writable_executable_is_compiled_and_replaced(default_gguf, stor
 def test_a_group_writable_store_root_turns_the_store_off(tiny_executable, store_dir, caplog):
     _stored(tiny_executable)
     store_dir.chmod(0o770)
-    assert device.executable_store_dir() is None  # a runner then compiles everything
+    assert executable_store_dir() is None  # a runner then compiles everything
     assert f"{store_dir} is writable by group (mode 0770)" in caplog.text
 
 
@@ -124,7 +123,7 @@ def test_a_store_of_another_user_is_refused(tiny_executable, store_dir, caplog, 
     store, _ = _stored(tiny_executable)
     uid = os.getuid()
     monkeypatch.setattr(os, "getuid", lambda: uid + 1)
-    assert device.executable_store_dir() is None
+    assert executable_store_dir() is None
     assert store.load(BUCKET) is None
     assert f"{store_dir} is owned by uid {uid}, not by this user ({uid + 1})" in caplog.text
 

@@ -25,8 +25,9 @@ from attention_cases import (
 )
 
 from ops import native
-from ops.attention import KVCache, resolve_backend
+from ops.attention import resolve_backend
 from ops.cpu_attention import cpu_ragged_paged_attention as kernel
+from ops.kv_cache import KVCache
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason=f"CPU kernels unavailable: {native.reason()}")
@@ -122,7 +123,8 @@ def test_pages_in_their_dtype(kv_dtype):
 def test_in_a_jitted_scan_over_layers_with_writes():
     """As the model calls it: each layer writes its K/V, then reads the pool it just wrote,
     the layer a traced index."""
-    from ops.attention import ref_ragged_paged_attention, write_kv
+    from ops.kv_cache import write_kv
+    from ops.reference_attention import ref_ragged_paged_attention
 
     case = _case([(1, 40), (9, 30), (0, 0)])
     rng = np.random.default_rng(1)

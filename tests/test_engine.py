@@ -219,7 +219,8 @@ def test_a_shape_outside_the_table_is_refused_and_counted(engine):
     import jax
 
     from engine.batch import empty_batch
-    from engine.model_runner import BucketMiss, _active
+    from engine.model_runner import _active
+    from engine.step_table import BucketMiss
 
     runner = engine.runner
     before = runner.compilations_after_warmup

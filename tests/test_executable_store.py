@@ -82,9 +82,9 @@ def test_no_store_when_turned_off(default_gguf, monkeypatch):
 def test_old_configurations_are_pruned(default_gguf, store_dir, monkeypatch):
     import os
 
-    from engine import device
+    from engine import executable_store
 
-    monkeypatch.setattr(device, "MAX_CONFIGURATIONS", 2)
+    monkeypatch.setattr(executable_store, "MAX_CONFIGURATIONS", 2)
     for i, seqs in enumerate((1, 2, 4)):
         runner = ModelRunner(_config(default_gguf, max_num_seqs=seqs))
         runner.compile_bucket(("seqs", 1))

@@ -13,9 +13,10 @@ import pytest
 from conftest import SERVER_KEY
 
 from engine.launch import ModelSpec, sampling_defaults
-from models.generation_config import generation_defaults, parse_overrides
+from models.generation_config import FIELDS, generation_defaults, parse_overrides
 from models.known_models import SERVED_NAME
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.chat_protocol import ChatCompletionRequest
+from server.protocol import CompletionRequest
 
 CARD = {"temperature": 0.2, "top_p": 0.9}  # SmolLM2-135M-Instruct's card
 
@@ -67,6 +68,16 @@ def test_a_requests_own_values_win():
     assert (p.temperature, p.top_p) == (0.2, 0.5)
     p = CompletionRequest(prompt="Hi").to_sampling_params(None)
     assert (p.temperature, p.top_p) == (1.0, 1.0)  # no defaults: OpenAI's
+
+
+def test_every_value_a_model_may_set_reaches_its_requests():
+    # server/ lists these fields apart from models/ (which it may not import): one missing
+    # there would be dropped without a word.
+    values = {"temperature": 0.3, "top_p": 0.8, "top_k": 20, "min_p": 0.05,
+              "repetition_penalty": 1.1}
+    assert set(values) == set(FIELDS)
+    p = CompletionRequest(prompt="Hi").to_sampling_params(values)
+    assert {name: getattr(p, name) for name in FIELDS} == values
 
 
 def test_a_new_users_first_chat_answers_with_paris(live_server):

@@ -23,7 +23,8 @@ from conftest import SERVER_KEY
 from models.known_models import SERVED_NAME
 from ops import native
 from ops.attention import resolve_backend
-from ops.quantization import runs_native, scheme_format
+from ops.quantization import scheme_format
+from ops.quantized_linear import runs_native
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS_FILE = "kernels_off_greedy.json"  # the child's greedy reply, in its --basetemp
@@ -73,7 +74,7 @@ else:
         basetemp, report = tmp_path / "child", tmp_path / "report.xml"
         env = {**os.environ, "XLASERVE_NATIVE_KERNELS": "0"}
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               f"--basetemp={basetemp}", f"--junitxml={report}", *TESTS],
+                               "-n", "0", f"--basetemp={basetemp}", f"--junitxml={report}", *TESTS],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
         suite = ET.parse(report).getroot().find("testsuite")

@@ -15,15 +15,16 @@ from attention_cases import LAYER, make_case, oracle, rel_err
 from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from ops import attention, native
-from ops.attention import KVCache, ref_ragged_paged_attention, resolve_kv_dtype
+from ops import kv_cache, native
 from ops.cpu_attention import cpu_ragged_paged_attention
+from ops.kv_cache import KVCache, resolve_kv_dtype
 from ops.pallas_gpu_attention import pallas_gpu_ragged_paged_attention
 from ops.pallas_tpu_attention import pallas_tpu_ragged_paged_attention
+from ops.reference_attention import ref_ragged_paged_attention
 
 
 def test_engine_offers_the_kv_cache_dtypes():
-    assert KV_CACHE_DTYPES == attention.KV_CACHE_DTYPES
+    assert KV_CACHE_DTYPES == kv_cache.KV_CACHE_DTYPES
 
 
 def test_auto_and_refusals_by_platform():
@@ -102,12 +103,12 @@ def test_int8_pages_round_trip_through_writes_with_their_scales(kernel):
     rows = np.arange(shape[1] * shape[2], dtype=np.int32)[shape[2]:]  # every slot past page 0
     page, offset = rows // shape[2], rows % shape[2]
     k, v = case.cache.k[LAYER, page, offset], case.cache.v[LAYER, page, offset]  # [N, Hkv, D]
-    cache = attention.write_kv(cache, LAYER, k, v, jnp.asarray(rows))
+    cache = kv_cache.write_kv(cache, LAYER, k, v, jnp.asarray(rows))
     back = np.asarray(cache.k[LAYER, page, offset], np.float32) * np.asarray(
         cache.k_scale[LAYER, page, offset])[..., None]
     step = np.abs(np.asarray(k)).max(-1, keepdims=True) / 127
     assert np.all(np.abs(back - np.asarray(k)) <= step / 2 + 1e-6)
-    dequantized = KVCache(*(attention.read_kv(x, s, jnp.float32) for x, s in (
+    dequantized = KVCache(*(kv_cache.read_kv(x, s, jnp.float32) for x, s in (
         (cache.k, cache.k_scale), (cache.v, cache.v_scale))))
     wrote = KVCache(case.cache.k.at[LAYER, page, offset].set(k),
                     case.cache.v.at[LAYER, page, offset].set(v))

@@ -3,6 +3,7 @@ and a clean `ruff check`."""
 
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -24,3 +25,19 @@ def test_ruff_is_clean():
         pytest.fail("ruff not installed (pip install -e '.[dev]')")
     proc = subprocess.run([exe, "check", "."], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# The engine modules that import jax themselves (docs/architecture.md names them too).
+ENGINE_JAX_MODULES = {"model_runner", "step_table", "device", "executable_store", "distributed",
+                      "bench", "bench_ceilings"}
+
+
+def test_every_engine_module_is_named_by_the_jax_contract():
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"][
+        "contracts"]
+    [contract] = [c for c in contracts if c["name"].startswith("engine/: only ")]
+    kept_off = {m.removeprefix("engine.") for m in contract["source_modules"]}
+    modules = {p.stem for p in (ROOT / "engine").glob("*.py")} - {"__init__"}
+    assert not kept_off & ENGINE_JAX_MODULES
+    assert kept_off | ENGINE_JAX_MODULES == modules, "a new engine module: name it in one list"
+    assert all(name in contract["name"] for name in ENGINE_JAX_MODULES)

@@ -1,5 +1,5 @@
 """xlaserve's CPU kernel (ops/native/qmatmul.cc) against its reference, XLA's own quantized
-matmul (ops/quantization.linear with native=False): every format it takes, one layer of a
+matmul (ops/quantized_linear.linear with native=False): every format it takes, one layer of a
 stack or a lone matrix, 1 to 8 rows; the shapes it refuses; the fallback where it cannot be
 built; and whole models with it on and off."""
 
@@ -20,18 +20,14 @@ from models.generate import GreedyDecoder
 from models.gguf_loader import repack
 from models.loader import load_model
 from ops import native
-from ops.quantization import (
+from ops.quantization import QuantFormat, pack, quantize, scheme_format, unpack
+from ops.quantized_linear import (
     NATIVE_MAX_ROWS,
-    QuantFormat,
     linear,
     linears,
     native_fits,
     native_linears,
-    pack,
-    quantize,
-    scheme_format,
     stacked,
-    unpack,
 )
 
 # The kernel's own tests; the fallback's (test_without_a_compiler_xla_runs_instead) run on
@@ -174,7 +170,8 @@ def test_without_a_compiler_xla_runs_instead(tmp_path):
     code = (
         "import jax, jax.numpy as jnp, numpy as np\n"
         "from ops import native\n"
-        "from ops.quantization import linear, quantize, scheme_format\n"
+        "from ops.quantization import quantize, scheme_format\n"
+        "from ops.quantized_linear import linear\n"
         "assert not native.available() and native.identity() == 'off'\n"
         "print('reason:', native.reason())\n"
         "w = quantize(np.ones((32, 64), np.float32), scheme_format('int4'))\n"

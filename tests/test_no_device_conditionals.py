@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export
 
-from ops.sampling import SamplingMetadata, sample
+from ops.sampling import sample
+from ops.sampling_metadata import SamplingMetadata
 
 _CONDITIONAL = re.compile(r'^(%[\w#]+)(?::\d+)? = "?stablehlo\.(?:case|if)"?\(?\s*(%[\w#]+)')
 

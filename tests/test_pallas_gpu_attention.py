@@ -22,8 +22,9 @@ from attention_cases import (
     make_case,
 )
 
-from ops.attention import KVCache, ref_ragged_paged_attention
+from ops.kv_cache import KVCache
 from ops.pallas_gpu_attention import _block_sizes, pallas_gpu_ragged_paged_attention
+from ops.reference_attention import ref_ragged_paged_attention
 
 # interpret=None: interpreted on CPU, compiled on a GPU (the bring-up runs these there).
 kernel = functools.partial(pallas_gpu_ragged_paged_attention, interpret=None)

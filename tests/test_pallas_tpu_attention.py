@@ -19,8 +19,9 @@ from attention_cases import (
     make_case,
 )
 
-from ops.attention import KVCache, quantize_kv, read_kv, ref_ragged_paged_attention
+from ops.kv_cache import KVCache, quantize_kv, read_kv
 from ops.pallas_tpu_attention import pallas_tpu_ragged_paged_attention
+from ops.reference_attention import ref_ragged_paged_attention
 
 kernel = functools.partial(pallas_tpu_ragged_paged_attention, interpret=True)
 

@@ -1,6 +1,6 @@
-"""Quantization (ops/quantization.py): GGUF blocks taken over bit for bit, the quantized
-matmul against float references (weight-only, and w8a8's int8 x int8), and quantized
-checkpoints."""
+"""Quantization (ops/quantization.py, ops/quantized_linear.py, ops/vocab_blocks.py): GGUF
+blocks taken over bit for bit, the quantized matmul against float references (weight-only,
+and w8a8's int8 x int8), and quantized checkpoints."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from flax import nnx
 
 from models.gguf_file import open_gguf
 from models.gguf_loader import KEPT, repack
-from ops import quantization
-from ops.quantization import QuantFormat, dequantize, linear, quantize
+from ops import quantization, quantized_linear, vocab_blocks
+from ops.quantization import QuantFormat, dequantize, quantize
+from ops.quantized_linear import linear
 
 T = gguf.GGMLQuantizationType
 
@@ -71,8 +72,8 @@ FORMATS = {
 def test_quantized_matmul_matches_float(name, rows, blocks, monkeypatch):
     fmt, tolerance = FORMATS[name]
     # blocks=4: group formats at more than one row dequantize a quarter of the rows at a time
-    monkeypatch.setattr(quantization, "CHUNK_BYTES", 40 * 128 * 4 // blocks)
-    assert quantization.chunk_rows(40, 128 * 4) == 40 // blocks
+    monkeypatch.setattr(quantized_linear, "CHUNK_BYTES", 40 * 128 * 4 // blocks)
+    assert quantized_linear.chunk_rows(40, 128 * 4) == 40 // blocks
     w = _weight(40, 128)
     parts = quantize(w, fmt)
     assert parts["scale"].shape == (40, fmt.scale_columns(128))
@@ -90,7 +91,7 @@ def test_quantized_matmul_matches_float(name, rows, blocks, monkeypatch):
 
 def test_one_row_of_per_channel_int8_as_a_gpu_runs_it(monkeypatch):
     """On a GPU one row of per-channel int8 is a multiply and a sum, no dot: the same product."""
-    monkeypatch.setattr(quantization, "reduces_one_row", lambda: True)
+    monkeypatch.setattr(quantized_linear, "reduces_one_row", lambda: True)
     w = _weight(40, 128)
     parts = quantize(w, QuantFormat(8, 0))
     x = np.random.default_rng(2).standard_normal((1, 128)).astype(np.float32)
@@ -138,10 +139,10 @@ def test_a_vocabulary_matrix_in_row_blocks_is_the_whole_one(native, rows):
         rare = {**rare, "q": quantization.pack(rare["q"], symmetric=False)}
     blocks = (frequent, rare)
     tokens = np.array([0, 31, 32, 95, 40, 3], np.int32)
-    got = jax.jit(lambda b, t: quantization.embedding(b, t, jnp.float32))(blocks, tokens)
+    got = jax.jit(lambda b, t: vocab_blocks.embedding(b, t, jnp.float32))(blocks, tokens)
     np.testing.assert_array_equal(np.asarray(got), whole[tokens])
     x = np.random.default_rng(rows).standard_normal((rows, 64)).astype(np.float32)
-    logits = jax.jit(lambda x, b: quantization.vocab_linear(x, b, native=native))(x, blocks)
+    logits = jax.jit(lambda x, b: vocab_blocks.vocab_linear(x, b, native=native))(x, blocks)
     assert logits.shape == (rows, 96) and logits.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(logits), x @ whole.T, rtol=1e-5, atol=1e-4)
 
@@ -231,7 +232,7 @@ def test_default_model_int4_head_keeps_its_frequent_rows_in_8_bits(default_gguf)
 
     model = load_model(default_gguf, quantization="int4")
     quant, top = dict(model.quant), model.top_params()
-    rows = quantization.FREQUENT_ROWS
+    rows = vocab_blocks.FREQUENT_ROWS
     assert quant["embed"] == QuantFormat(8, 32)
     assert quant["embed_rare"] == QuantFormat(4, 32, True, packed=model.native_matmuls)
     index = open_gguf(default_gguf)
@@ -293,15 +294,15 @@ def test_quantization_plans(default_gguf, tmp_path):
 
 def _as_held(scheme: str, model):
     """`--quantization scheme`'s format for wq as `model` holds it: 4 bits packed where its
-    matmuls run in the CPU kernel (ops/quantization.runs_native)."""
+    matmuls run in the CPU kernel (ops/quantized_linear.runs_native)."""
     fmt = quantization.scheme_format(scheme, "wq")
-    return quantization.packed_formats({"wq": fmt})["wq"] if model.native_matmuls else fmt
+    return quantized_linear.packed_formats({"wq": fmt})["wq"] if model.native_matmuls else fmt
 
 
 @pytest.fixture
 def small_frequent_rows(monkeypatch):
     """int4 splits the tiny models' 256-row vocabulary matrices: 64 frequent rows."""
-    monkeypatch.setattr(quantization, "FREQUENT_ROWS", 64)
+    monkeypatch.setattr(vocab_blocks, "FREQUENT_ROWS", 64)
 
 
 def test_quantized_checkpoint_round_trip(tmp_path, small_frequent_rows):

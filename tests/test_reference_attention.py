@@ -11,13 +11,9 @@ import numpy as np
 import pytest
 from attention_cases import LAYER, oracle, rel_err
 
-from ops.attention import (
-    AttentionMetadata,
-    KVCache,
-    history_block,
-    ref_ragged_paged_attention,
-    row_layout,
-)
+from ops.attention import AttentionMetadata, row_layout
+from ops.kv_cache import KVCache
+from ops.reference_attention import history_block, ref_ragged_paged_attention
 
 PAGE = 16
 

@@ -9,16 +9,8 @@ import numpy as np
 import pytest
 from jax.scipy.stats import chi2
 
-from ops.sampling import (
-    CANDIDATES,
-    NUM_TOP_LOGPROBS,
-    SamplingMetadata,
-    apply_penalties,
-    probs,
-    sample,
-    seed_words,
-    token_counts,
-)
+from ops.sampling import CANDIDATES, apply_penalties, probs, sample, token_counts
+from ops.sampling_metadata import NUM_TOP_LOGPROBS, SamplingMetadata, seed_words
 
 LOGITS = np.array([0.5, 2.0, -1.0, 1.0, -3.0, 1.5, 0.0, -0.5], np.float32)  # V = 8, no ties
 DRAWS = 20_000

@@ -41,7 +41,7 @@ def _post(url: str, path: str, body: dict, timeout: float = 120) -> httpx.Respon
 
 
 def _for_template(messages: list[dict]) -> list[dict]:
-    """What the server hands its template: call arguments as objects (see protocol.py)."""
+    """What the server hands its template: call arguments as objects (see chat_protocol.py)."""
     out = []
     for m in messages:
         m = dict(m)
@@ -102,9 +102,9 @@ def test_opt_in_parses_special_tokens_in_messages_as_before(tokenizer):
     from starlette.routing import Route
 
     from engine.async_engine import Engines
-    from server.generation import create_chat_completion
+    from server.chat import create_chat_completion
+    from server.chat_protocol import ChatCompletionRequest
     from server.metrics import ServerMetrics
-    from server.protocol import ChatCompletionRequest
 
     engine, _ = make_engine(tokenizer, max_model_len=512)
     metrics = ServerMetrics(Engines({"fake": engine}))

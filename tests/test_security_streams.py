@@ -19,7 +19,7 @@ import pytest
 from conftest import SERVER_KEY, default_model_server
 from fakes import make_engine, wait_until
 
-from engine.async_engine import RequestStream
+from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
 
 N, LOGPROBS, TOKENS = 4, 5, 200
@@ -99,7 +99,7 @@ def test_a_lagging_consumer_gets_merged_deltas_with_every_token(tokenizer, recor
 
 
 def test_a_stream_nobody_reads_is_aborted_past_its_backlog_limit(tokenizer, caplog):
-    caplog.set_level(logging.WARNING, logger="engine.async_engine")
+    caplog.set_level(logging.WARNING, logger="engine.request_stream")
     engine, _ = make_engine(tokenizer, max_model_len=256)
     engine.stream_backlog_limit = 500  # token ids + top logprobs: ~20 steps of this request
     bm = engine.engine.block_manager

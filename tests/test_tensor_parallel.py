@@ -192,7 +192,7 @@ def test_quantized_weights_split_consistently(llama_tiny_models, shape, quantiza
     tiny = llama_tiny_models(shape)
     # Values and their scales are split along the same rows (or groups): the size gives the
     # one-device tokens. int4's head is in two row blocks (64 frequent rows here).
-    monkeypatch.setattr("ops.quantization.FREQUENT_ROWS", 64)
+    monkeypatch.setattr("ops.vocab_blocks.FREQUENT_ROWS", 64)
     def decoder(size):
         mesh = None if size == 1 else make_mesh(size)
         return GreedyDecoder(load_model(tiny, dtype="float32", mesh=mesh,

@@ -1,0 +1,258 @@
+"""The quantized matmul, `linear`: x times a float or quantized [out, in] weight (the formats
+of ops/quantization.py), in a form chosen per static shape from measurements on XLA:CPU
+(docs/performance.md):
+
+- up to NATIVE_MAX_ROWS rows of float32 on one CPU device (any number under
+  --batch-invariant, `any_rows`): xlaserve's own kernel (ops/native/qmatmul.cc, an XLA FFI
+  custom call built on first use). It converts 8-bit values to float in registers and
+  multiplies in float32; 4-bit values run as exact integer dot products with each block of
+  32 inputs of a row held as 24-bit integers, float32's precision at the block's largest
+  value (weight-only: no 8-bit activation quantization); the output rows are split over
+  XLA's intra-op threads. Each row's result is the same sequence of operations whatever the
+  other rows are, so a row's numbers do not depend on its batch (XLA's dot gives no such
+  promise; at many rows it is faster). XLA's own one-row product runs on one thread, and at
+  a few rows XLA materializes the dequantized matrix before its dot. A model whose matmuls
+  run there (`runs_native`) holds its 4-bit matrices packed two values a byte in
+  llama.cpp's Q4 block layout (`pack`): half the memory, and half the bytes a lone decode
+  reads. A layer of a stacked matrix reaches the kernel as the whole stack and an index
+  (`stacked`): XLA copies a slice before a custom call reads it ("A CPU kernel for
+  quantized matmuls, and 4-bit weights two a byte");
+- elsewhere, one row: the dequantization written as an elementwise function of [O, I]
+  fuses into XLA's matrix-vector product, which then reads int8 instead of float32;
+- more rows: per-channel scales are applied to the dot's output. Group formats are
+  dequantized whole when the result fits in CHUNK_BYTES, else CHUNK_BYTES at a time in a
+  loop, each block multiplied while it is in cache. Smaller blocks cost more than they save:
+  each loop iteration has a fixed cost on XLA:CPU ("The default server runs its file's
+  4-bit weights").
+
+w8a8 (opt-in) also quantizes each activation row to int8 (its max |x| onto 127) and runs
+the dot integer x integer, summed exactly in int32: XLA:CPU gives that to its integer
+matrix kernels, several times faster than the weight-only product from a few rows up. The
+price is accuracy: one scale per row is coarse next to a row's outlier channels, which
+models/smoothing.py moves into the weights at load. Scales per block of inputs were closer
+but their partial sums cost more than they saved ("int8 activations: `--quantization
+w8a8`").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ops import native
+from ops.quantization import BLOCK, dequantize
+
+NATIVE_MAX_ROWS = 8  # the most rows ops/native's kernel takes, unless `any_rows` (below)
+# The largest dequantized block at more than one row (the fastest size measured,
+# docs/performance.md).
+CHUNK_BYTES = 4 << 20
+W8A8_MIN_ROWS = 2  # an int8 x int8 product of one row runs padded to this many
+NATIVE_MAX_MATRICES = 4  # the most matrices one call of it multiplies the same rows by
+
+
+def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
+           int8_activations: bool = False, native: bool = False,
+           any_rows: bool = False) -> jax.Array:
+    """x [T, I] @ w [O, I]^T -> [T, O]. `w` is a float array or a dict {"q", "scale"[, "min"]}:
+    one layer's slice of a quantized parameter, or the whole stack [L, O, I] with its
+    "layer" index (`stacked`). `out_dtype`: accumulate and return in it (float32 logits
+    from bfloat16 activations). `chunked`: dequantize group formats in blocks of at most
+    CHUNK_BYTES at more than one row (off where a mesh splits the rows).
+    `int8_activations`: `w` is per-channel int8 and `x` is quantized to int8 per row (w8a8).
+    `native`: run xlaserve's CPU kernel where it serves (`native_fits`); `any_rows`: at any
+    number of rows (--batch-invariant), not only up to NATIVE_MAX_ROWS."""
+    dot = lambda a, b: jnp.dot(a, b.T, preferred_element_type=out_dtype)
+    if native and native_fits(x, w, any_rows):
+        y = native_linear(x, w)
+        return y if out_dtype is None else y.astype(out_dtype)
+    if isinstance(w, dict) and "layer" in w:
+        w = {k: jax.lax.dynamic_index_in_dim(a, w["layer"], 0, False)
+             for k, a in w.items() if k != "layer"}
+    if int8_activations:
+        return _linear_w8a8(x, w, out_dtype or x.dtype)
+    if not isinstance(w, dict):
+        return dot(x, w)
+    q, scale, minimum = w["q"], w["scale"], w.get("min")
+    group = x.shape[-1] // scale.shape[-1]
+    if q.dtype == jnp.uint8:  # packed 4 bits (the CPU kernel's rows are above)
+        return _packed_linear(x, w, out_dtype, chunked)
+    if group == x.shape[-1] and minimum is None:  # per-channel: scale the output
+        if x.shape[0] == 1 and reduces_one_row():
+            return channel_sums(x, q, scale, out_dtype)
+        y = dot(x, q.astype(x.dtype))
+        return y * scale[:, 0].astype(y.dtype)
+    if x.shape[0] == 1:  # fused into the matrix-vector product (see the module docstring)
+        full = lambda a: jnp.repeat(a.astype(x.dtype), group, axis=-1)
+        wf = q.astype(x.dtype) * full(scale)
+        if minimum is not None:
+            wf = wf + full(minimum)
+        return dot(x, wf)
+    return _in_blocks(x, w, chunked, lambda x, b: dot(
+        x, dequantize(b["q"], b["scale"], b.get("min"), dtype=x.dtype)))
+
+
+def reduces_one_row() -> bool:
+    """Whether `linear` runs one row of per-channel int8 as `channel_sums` (on a GPU)."""
+    return jax.default_backend() == "gpu"
+
+
+def channel_sums(x: jax.Array, q: jax.Array, scale: jax.Array, out_dtype=None) -> jax.Array:
+    """x [T, I] times per-channel int8 q [O, I] (scale [O, 1]) as a multiply and a sum over
+    the inputs in float32, not a dot: XLA fuses the conversion into one pass over the int8
+    values. A GPU runs one row so: on an H200 it beat the dot at one row and lost to it by
+    far at 64 (ops.bench_quantization; docs/performance.md, "GPU bring-up on an H200, and
+    int8 weights there")."""
+    y = (x.astype(jnp.float32)[:, None, :] * q.astype(jnp.float32)[None]).sum(-1)
+    return (y * scale[:, 0].astype(jnp.float32)).astype(out_dtype or x.dtype)
+
+
+def _in_blocks(x: jax.Array, w: dict, chunked: bool, product) -> jax.Array:
+    """`product(x, w)` [T, O], over blocks of w's rows that dequantize to at most
+    CHUNK_BYTES when `chunked`, each block still in cache when its dot reads it."""
+    rows = w["q"].shape[0]
+    chunk = chunk_rows(rows, x.shape[-1] * jnp.dtype(x.dtype).itemsize) if chunked else rows
+    if chunk == rows:
+        return product(x, w)
+    blocks = jax.tree.map(lambda a: a.reshape(rows // chunk, chunk, *a.shape[1:]), w)
+    ys = jax.lax.map(lambda b: product(x, b), blocks)  # [O / C, T, C]
+    return ys.transpose(1, 0, 2).reshape(x.shape[0], rows)
+
+
+def _packed_linear(x: jax.Array, w: dict, out_dtype, chunked: bool) -> jax.Array:
+    """XLA's product with packed 4-bit values: the low and the high nibbles each dequantize
+    elementwise to [O, I / 2] and meet the inputs they hold (the first and the last 16 of
+    each block of 32), two dots summed. Interleaving the nibbles back into [O, I] first ran
+    slower at 16-64 rows (docs/performance.md, "A CPU kernel for quantized matmuls, and
+    4-bit weights two a byte")."""
+    rows_x, cols = x.shape
+    halves = x.reshape(rows_x, cols // BLOCK, 2, BLOCK // 2)
+    x_lo, x_hi = (halves[:, :, h].reshape(rows_x, cols // 2) for h in (0, 1))
+    symmetric = "min" not in w
+
+    def product(_, b):
+        q, scale, minimum = b["q"], b["scale"], b.get("min")
+        per_group = cols // (scale.shape[-1] * BLOCK)  # blocks a scale covers
+        o = q.shape[0]
+        scale = jnp.repeat(scale.astype(x.dtype), per_group, axis=-1)[..., None]
+        shift = (-8 * scale if symmetric else
+                 jnp.repeat(minimum.astype(x.dtype), per_group, axis=-1)[..., None])
+        y = 0
+        for xh, nibbles in ((x_lo, q & 15), (x_hi, q >> 4)):
+            wf = nibbles.reshape(o, cols // BLOCK, BLOCK // 2).astype(x.dtype) * scale + shift
+            y = y + jnp.dot(xh, wf.reshape(o, cols // 2).T, preferred_element_type=out_dtype)
+        return y
+
+    return _in_blocks(x, w, chunked, product)
+
+
+def stacked(w: dict, layer) -> dict:
+    """Layer `layer` of a stacked quantized matrix as `linear` takes it, unsliced: a slice
+    handed to the CPU kernel (a custom call) would be copied first, a cost measured in
+    docs/performance.md ("A CPU kernel for quantized matmuls, and 4-bit weights two a
+    byte"). `linear` slices it where XLA runs."""
+    return {**w, "layer": layer}
+
+
+def runs_native(dtype, quant: dict, *, sharded: bool) -> bool:
+    """Whether a model's quantized matmuls of a few rows run in ops/native's kernel: float32
+    activations, weight-only formats, one CPU device (XLA splits the matmuls under a
+    mesh), and a kernel that could be built here. Such a model also holds its 4-bit
+    matrices packed (`packed_formats`)."""
+    return bool(quant and not sharded and jnp.dtype(dtype) == jnp.float32
+                and not any(fmt.activations for fmt in quant.values())
+                and jax.default_backend() == "cpu" and native.available())
+
+
+def packed_formats(quant: dict) -> dict:
+    """`quant` with its 4-bit group formats packed two values a byte (see ops/quantization.py's
+    docstring). XLA's own one-row product would unpack them many times slower than it reads
+    one value per int8, so only a model that `runs_native` packs them."""
+    return {name: dataclasses.replace(fmt, packed=True)
+            if fmt.bits == 4 and fmt.group and fmt.group % BLOCK == 0 else fmt
+            for name, fmt in quant.items()}
+
+
+def native_fits(x: jax.Array, w, any_rows: bool = False) -> bool:
+    """Whether ops/native's kernel takes this product: float32 rows (up to NATIVE_MAX_ROWS
+    of them, or any number with `any_rows`), and a matrix of one-per-int8 values with
+    float16 scales per
+    group of a multiple of 16 inputs (every format of SCHEMES but w8a8's, and GGUF's), or
+    of packed values with groups of 32 times a power of two."""
+    if (not isinstance(w, dict) or x.dtype != jnp.float32 or x.ndim != 2
+            or x.shape[0] < 1 or (x.shape[0] > NATIVE_MAX_ROWS and not any_rows)):
+        return False
+    q, scale = w["q"], w["scale"]
+    packed = q.dtype == jnp.uint8
+    groups, cols = scale.shape[-1], q.shape[-1] * (2 if packed else 1)
+    return ((packed or q.dtype == jnp.int8) and scale.dtype == jnp.float16
+            and cols == x.shape[1] and cols % groups == 0
+            and (cols // groups) % (BLOCK if packed else 16) == 0 and groups <= 1024
+            and not (packed and (cols // groups // BLOCK) & (cols // groups // BLOCK - 1))
+            and q.ndim == (3 if "layer" in w else 2) and native.available())
+
+
+def native_linear(x: jax.Array, w: dict) -> jax.Array:
+    """x [T, I] float32 @ w^T -> [T, O] float32 through ops/native/qmatmul.cc."""
+    return native_linears(x, [w])[0]
+
+
+def native_linears(x: jax.Array, ws: list[dict]) -> list[jax.Array]:
+    """x times each of up to 4 matrices (one layer index for all), in one call of
+    ops/native/qmatmul.cc: their rows are split over the threads together."""
+    layer = ws[0].get("layer")
+    if any(w.get("layer") is not layer for w in ws):
+        raise ValueError("matrices in one native call share one layer index")
+    operands = []
+    for w in ws:
+        q, scale, minimum = w["q"], w["scale"], w.get("min")
+        if layer is None:  # a matrix outside the stack (the LM head): a stack of one
+            q, scale = q[None], scale[None]
+            minimum = None if minimum is None else minimum[None]
+        operands += [q, scale, jnp.zeros((0,), jnp.float16) if minimum is None else minimum]
+    call = jax.ffi.ffi_call(native.QMATMUL, [
+        jax.ShapeDtypeStruct((x.shape[0], w["q"].shape[-2]), jnp.float32) for w in ws])
+    return list(call(x, jnp.asarray(0 if layer is None else layer, jnp.int32), *operands))
+
+
+def linears(x: jax.Array, ws: list, *, native: bool = False, **kwargs) -> list[jax.Array]:
+    """`linear(x, w, ...)` for each of `ws` (same rows x): one native call for all where the
+    kernel takes every one of them (q, k and v; gate and up), else one product each."""
+    any_rows = kwargs.get("any_rows", False)
+    if (native and 1 < len(ws) <= NATIVE_MAX_MATRICES
+            and all(native_fits(x, w, any_rows) for w in ws)):
+        return native_linears(x, ws)
+    return [linear(x, w, native=native, **kwargs) for w in ws]
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[T, I] float -> (int8 values, float32 [T, 1] scales): max |x| of each row onto 127."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127
+    inv = jnp.where(scale == 0, 0.0, 1.0 / jnp.where(scale == 0, 1.0, scale))
+    return jnp.clip(jnp.rint(x * inv), -127, 127).astype(jnp.int8), scale
+
+
+def _linear_w8a8(x: jax.Array, w, out_dtype) -> jax.Array:
+    """int8 rows x per-channel int8 weights, summed exactly in int32, then both scales. Each
+    row is quantized on its own, so a row's result does not depend on the rest of the batch.
+    One row is padded to W8A8_MIN_ROWS: XLA:CPU's integer matrix-vector product is slower
+    than its small matrix product (docs/performance.md)."""
+    if not isinstance(w, dict) or w["scale"].shape[-1] != 1 or "min" in w:
+        raise ValueError("int8 activations need per-channel int8 weights (--quantization w8a8)")
+    rows = x.shape[0]
+    xq, xs = quantize_rows(x)
+    if rows < W8A8_MIN_ROWS:
+        xq = jnp.pad(xq, ((0, W8A8_MIN_ROWS - rows), (0, 0)))
+    acc = jax.lax.dot_general(xq, w["q"], (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.int32)[:rows]
+    y = acc.astype(jnp.float32) * xs * w["scale"][:, 0].astype(jnp.float32)
+    return y.astype(out_dtype)
+
+
+def chunk_rows(rows: int, row_bytes: int) -> int:
+    """The most rows whose dequantized block fits in CHUNK_BYTES, dividing `rows`."""
+    fit = max(1, min(rows, CHUNK_BYTES // row_bytes))
+    return next(c for c in range(fit, 0, -1) if rows % c == 0)
+
