@@ -80,6 +80,10 @@ class AsyncEngine:
         self.num_restarts = 0
         self.alive = True
         self._inbox: queue.Queue = queue.Queue()
+        # Requests in the inbox (its aborts and wakes are not waiting requests), counted
+        # when put and when the engine thread takes them.
+        self._queued = 0
+        self._queued_lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         self._chat_template = None
@@ -100,7 +104,7 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self._inbox.qsize() + len(self.engine.scheduler.waiting)
+        return self._queued + len(self.engine.scheduler.waiting)
 
     @property
     def max_model_len(self) -> int:
@@ -123,6 +127,8 @@ class AsyncEngine:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         stream = RequestStream(self, request_id, ids)
         self._streams[request_id] = stream
+        with self._queued_lock:
+            self._queued += 1
         self._inbox.put(("add", request_id, ids, params, cache_salt))
         return stream
 
@@ -242,7 +248,13 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
+    def _taken(self, cmd) -> None:
+        if cmd[0] == "add":
+            with self._queued_lock:
+                self._queued -= 1
+
     def _handle(self, cmd) -> None:
+        self._taken(cmd)
         if cmd[0] == "add":
             _, request_id, ids, params, cache_salt = cmd
             if request_id not in self._streams:  # abandoned before it was queued
@@ -282,6 +294,7 @@ class AsyncEngine:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            self._taken(cmd)
             if cmd[0] == "add":
                 self._send(cmd[1], failed)
         old = self.engine
