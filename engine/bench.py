@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-invariant", action="store_true",
                    help="rows computed alike in any batch (EngineConfig.batch_invariant)")
     p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="scan",
-                   help="scan or unroll (EngineConfig.layer_loop)")
+                   help="scan, unroll or scan-pallas (EngineConfig.layer_loop)")
     p.add_argument("--simulate-device-ms", type=float, default=None,
                    help="measure the host path alone against a simulated device whose step "
                         "takes this long (no model runs)")

@@ -7,8 +7,10 @@ weight-name maps all derive from that table. Layers are stacked on a leading axi
 `lax.scan`, so compile time does not grow with depth; layers of different kinds
 (Gemma 3's sliding and full ones) are scanned a period of kinds at a time. The forward
 pass is one ragged batch of tokens over the paged KV cache (ops/attention.py, ops/kv_cache.py).
-On a GPU the layers are unrolled instead (`unroll_layers`, `--layer-loop`): XLA:GPU copies
-a weight sliced at a loop index before its product, and reads a constant slice in place.
+XLA:GPU copies a float weight sliced at a loop index before its product and reads a constant
+slice in place, so `--layer-loop` can unroll the layers (`unroll_layers`: slow to compile on
+a big model), or keep the scan and hand each float matrix's product the whole stack and the
+layer index (`stacked_kernel`: ops/pallas_gpu_matmul reads it in place).
 
 A family differs from Llama by overriding the class methods that describe its
 parameters and tensor names, and the steps of `layer` (`qk_norm`, `mlp`, or `layer`
@@ -58,6 +60,12 @@ class _Stack(nnx.Module):
     def __init__(self, params: dict[str, nnx.Param]):
         for name, p in params.items():
             setattr(self, name, p)
+
+
+def stacks_float_products(layer_loop: str, mesh) -> bool:
+    """Whether float matrices reach their products as the whole stack and the layer index
+    (`--layer-loop scan-pallas`, one device: ops/pallas_gpu_matmul)."""
+    return layer_loop == "scan-pallas" and mesh is None
 
 
 def unrolls_layers(layer_loop: str, native_matmuls: bool) -> bool:
@@ -166,6 +174,9 @@ class Llama(nnx.Module):
         # in 0.053 ms unrolled, 0.136 scanned); but Llama-3-8B's unrolled engine was not
         # ready after 250 s there (docs/performance.md).
         self.unroll_layers = False
+        # Scanned, float matrices handed to their products as the stack and the layer index
+        # (`stacks_float_products`), read in place by ops/pallas_gpu_matmul from 2 rows up.
+        self.stacked_kernel = False
         # --batch-invariant: our CPU kernels at every row count, and attention that never cuts
         # a lone decode over the threads, so a row's numbers do not depend on its batch
         # (docs/architecture.md, "Batch-invariant rows"). Set by the engine before it splits
@@ -254,10 +265,14 @@ class Llama(nnx.Module):
         (ops.quantized_linear.stacked)."""
         matrices = {n for n in stack if n + "_scale" in stack} if self.native_matmuls else ()
         parts = {n + suffix for n in matrices for suffix in ("_scale", "_min")}
+        floats = ({n for n, a in stack.items() if a.ndim == 3 and n + "_scale" not in stack}
+                  if self.stacked_kernel and not isinstance(idx, int) else ())
         take = ((lambda a: a[idx]) if isinstance(idx, int)  # unrolled: a constant slice
                 else (lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, False)))
-        p = {n: take(a) for n, a in stack.items() if n not in matrices and n not in parts}
+        p = {n: take(a) for n, a in stack.items()
+             if n not in matrices and n not in parts and n not in floats}
         p.update({n: stacked(weight(stack, n), idx) for n in matrices})
+        p.update({n: stacked(stack[n], idx) for n in floats})
         return p
 
     # ---- the steps a family may override -----------------------------------------------

@@ -31,12 +31,15 @@ import jax
 import jax.numpy as jnp
 
 from ops.bench_attention import measure_ceilings, rel_err, time_median
+from ops.pallas_gpu_matmul import stacked_matmul
 from ops.quantization import QuantFormat, dequantize, held_bytes, quantize
-from ops.quantized_linear import channel_sums, linear
+from ops.quantized_linear import linear, row_sums
 
 FORMATS = {"float": None, "int8": QuantFormat(8, 0), "int4": QuantFormat(4, 32, has_min=True),
            # candidates: `reduce_linear` at any row count, and float weights so
-           "int8-reduce": QuantFormat(8, 0), "float-reduce": None}
+           "int8-reduce": QuantFormat(8, 0), "float-reduce": None,
+           # float weights through ops/pallas_gpu_matmul (the stack and the layer index)
+           "float-pallas": None}
 LAYOUTS = ("stacked", "counted", "unrolled", "separate")
 ROTATE_BYTES = 512 << 20  # the float layers together exceed any cache (H200 L2: 60 MB)
 
@@ -58,13 +61,27 @@ def make_weights(fmt: QuantFormat | None, layers: int, out_f: int, in_f: int, dt
 
 
 def reduce_linear(x: jax.Array, w) -> jax.Array:
-    """Per-channel int8 as `linear` runs one row on a GPU (`channel_sums`), at any row count;
-    float weights the same way (a multiply and a sum, which XLA fuses with a slice at the
-    loop index where it copies the slice before a cuBLAS dot)."""
-    if isinstance(w, dict):
-        return channel_sums(x, w["q"], w["scale"])
-    y = (x.astype(jnp.float32)[:, None, :] * w.astype(jnp.float32)[None]).sum(-1)
-    return y.astype(x.dtype)
+    """Any format as `linear` runs one row on a GPU (`row_sums`: a multiply and a sum, which
+    XLA fuses with a slice at the loop index where it copies the slice before a cuBLAS dot),
+    at any row count."""
+    return row_sums(x, w)
+
+
+def pallas_linear(options: str = ""):
+    """Float weights through ops/pallas_gpu_matmul: the whole stack and the layer index.
+    `options`: "BNxBKxSPLITSxWARPSxSTAGES" (0: the kernel's choice), from a format named
+    float-pallas@OPTIONS."""
+    names = ("block_n", "block_k", "splits", "num_warps", "num_stages")
+    kwargs = {k: int(v) for k, v in zip(names, options.split("x"), strict=False) if options and int(v)}
+
+    def product(x: jax.Array, stack: jax.Array, layer) -> jax.Array:
+        out_f, in_f = stack.shape[1:]
+        fits = (out_f % kwargs.get("block_n", 1) == 0  # else (--smoke's shapes) its choice
+                and in_f % (kwargs.get("block_k", 1) * kwargs.get("splits", 1)) == 0)
+        return stacked_matmul(x, stack, layer, **(kwargs if fits else {}))
+
+    product.takes_stack = True  # layer_loop hands it the stack and the index, unsliced
+    return product
 
 
 def layer_loop(x: jax.Array, w, layout: str = "stacked", product=linear) -> jax.Array:
@@ -77,11 +94,15 @@ def layer_loop(x: jax.Array, w, layout: str = "stacked", product=linear) -> jax.
     if layout == "separate":
         return sum(product(x, wl).astype(jnp.float32) for wl in w)
     stack = w["q"] if isinstance(w, dict) else w
+    takes_stack = getattr(product, "takes_stack", False)
     if layout == "unrolled":
-        return sum(product(x, jax.tree.map(lambda a, i=i: a[i], w)).astype(jnp.float32)
+        return sum((product(x, w, i) if takes_stack else
+                    product(x, jax.tree.map(lambda a, i=i: a[i], w))).astype(jnp.float32)
                    for i in range(stack.shape[0]))
 
     def body(idx, acc):
+        if takes_stack:
+            return acc + product(x, w, idx).astype(jnp.float32)
         wl = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, False), w)
         return acc + product(x, wl).astype(jnp.float32)
 
@@ -104,10 +125,12 @@ def materialized(hlo: str, out_f: int, in_f: int) -> int:
 
 
 def run(name, rows, layout, args, dtype, ceilings) -> dict:
-    fmt = FORMATS[name]
+    base, _, options = name.partition("@")
+    fmt = FORMATS[base]
     w = make_weights(fmt, args.layers, args.out_features, args.in_features, dtype, args.seed)
     x = jax.random.normal(jax.random.key(args.seed + 1), (rows, args.in_features), dtype)
-    product = reduce_linear if name.endswith("-reduce") else linear
+    product = (reduce_linear if base.endswith("-reduce") else
+               pallas_linear(options) if base.endswith("-pallas") else linear)
     fn = jax.jit(lambda x, w: layer_loop(x, w, layout, product))
     arg = ([jax.tree.map(lambda a, i=i: a[i], w) for i in range(args.layers)]
            if layout == "separate" else w)
@@ -144,7 +167,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help="stacked layers (default: enough that the float ones exceed 512 MiB)")
     ap.add_argument("--rows", default="1,16,64,256")
-    ap.add_argument("--formats", default="float,int8,int4")
+    ap.add_argument("--formats", default="float,int8,int4",
+                    help=f"some of {', '.join(FORMATS)}; float-pallas@BNxBKxSPLITSxWARPSxSTAGES "
+                         "sets the kernel's blocks (0: its choice)")
     ap.add_argument("--layouts", default="stacked", help=f"some of {', '.join(LAYOUTS)} "
                     "(layer_loop)")
     ap.add_argument("--hlo-dir", help="write each case's optimized HLO here")

@@ -17,6 +17,8 @@ of ops/quantization.py), in a form chosen per static shape from measurements on 
   reads. A layer of a stacked matrix reaches the kernel as the whole stack and an index
   (`stacked`): XLA copies a slice before a custom call reads it ("A CPU kernel for
   quantized matmuls, and 4-bit weights two a byte");
+- on a GPU, one row: a multiply and a sum (`row_sums`), which XLA fuses with the layer's
+  slice and the dequantization, reading the stored values in place;
 - elsewhere, one row: the dequantization written as an elementwise function of [O, I]
   fuses into XLA's matrix-vector product, which then reads int8 instead of float32;
 - more rows: per-channel scales are applied to the dot's output. Group formats are
@@ -41,7 +43,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ops import native
+from ops import native, pallas_gpu_matmul
 from ops.quantization import BLOCK, dequantize
 
 NATIVE_MAX_ROWS = 8  # the most rows ops/native's kernel takes, unless `any_rows` (below)
@@ -64,6 +66,10 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
     `native`: run xlaserve's CPU kernel where it serves (`native_fits`); `any_rows`: at any
     number of rows (--batch-invariant), not only up to NATIVE_MAX_ROWS."""
     dot = lambda a, b: jnp.dot(a, b.T, preferred_element_type=out_dtype)
+    if isinstance(w, dict) and "stack" in w:  # a float matrix's whole stack (`stacked`)
+        if x.shape[0] > 1 and pallas_gpu_matmul.fits(x, w["stack"]):
+            return pallas_gpu_matmul.stacked_matmul(x, w["stack"], w["layer"], out_dtype)
+        w = jax.lax.dynamic_index_in_dim(w["stack"], w["layer"], 0, False)
     if native and native_fits(x, w, any_rows):
         y = native_linear(x, w)
         return y if out_dtype is None else y.astype(out_dtype)
@@ -72,6 +78,8 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
              for k, a in w.items() if k != "layer"}
     if int8_activations:
         return _linear_w8a8(x, w, out_dtype or x.dtype)
+    if x.shape[0] == 1 and reduces_one_row():
+        return row_sums(x, w, out_dtype)
     if not isinstance(w, dict):
         return dot(x, w)
     q, scale, minimum = w["q"], w["scale"], w.get("min")
@@ -79,8 +87,6 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
     if q.dtype == jnp.uint8:  # packed 4 bits (the CPU kernel's rows are above)
         return _packed_linear(x, w, out_dtype, chunked)
     if group == x.shape[-1] and minimum is None:  # per-channel: scale the output
-        if x.shape[0] == 1 and reduces_one_row():
-            return channel_sums(x, q, scale, out_dtype)
         y = dot(x, q.astype(x.dtype))
         return y * scale[:, 0].astype(y.dtype)
     if x.shape[0] == 1:  # fused into the matrix-vector product (see the module docstring)
@@ -94,18 +100,24 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
 
 
 def reduces_one_row() -> bool:
-    """Whether `linear` runs one row of per-channel int8 as `channel_sums` (on a GPU)."""
+    """Whether `linear` runs one row as `row_sums` (on a GPU)."""
     return jax.default_backend() == "gpu"
 
 
-def channel_sums(x: jax.Array, q: jax.Array, scale: jax.Array, out_dtype=None) -> jax.Array:
-    """x [T, I] times per-channel int8 q [O, I] (scale [O, 1]) as a multiply and a sum over
-    the inputs in float32, not a dot: XLA fuses the conversion into one pass over the int8
-    values. A GPU runs one row so: on an H200 it beat the dot at one row and lost to it by
-    far at 64 (ops.bench_quantization; docs/performance.md, "GPU bring-up on an H200, and
-    int8 weights there")."""
-    y = (x.astype(jnp.float32)[:, None, :] * q.astype(jnp.float32)[None]).sum(-1)
-    return (y * scale[:, 0].astype(jnp.float32)).astype(out_dtype or x.dtype)
+def row_sums(x: jax.Array, w, out_dtype=None) -> jax.Array:
+    """x [T, I] times a float or quantized [O, I] weight as a multiply and a sum over the
+    inputs in float32, not a dot: XLA:GPU fuses the weight's slice out of the layer stack
+    and its dequantization into one pass over the stored values, where it copies the slice
+    (and converts a quantized one) whole before a cuBLAS dot. A GPU runs one row so: on an
+    H200 per-channel int8 read in place beat the dot at one row (0.048 against 0.138 ms a
+    4096 x 14336 layer) and lost to it by far at 64 rows (ops.bench_quantization;
+    docs/performance.md, "GPU bring-up on an H200, and int8 weights there")."""
+    if isinstance(w, dict):
+        wf = dequantize(w["q"], w["scale"], w.get("min"), dtype=jnp.float32)
+    else:
+        wf = w.astype(jnp.float32)
+    y = (x.astype(jnp.float32)[:, None, :] * wf[None]).sum(-1)
+    return y.astype(out_dtype or x.dtype)
 
 
 def _in_blocks(x: jax.Array, w: dict, chunked: bool, product) -> jax.Array:
@@ -147,12 +159,15 @@ def _packed_linear(x: jax.Array, w: dict, out_dtype, chunked: bool) -> jax.Array
     return _in_blocks(x, w, chunked, product)
 
 
-def stacked(w: dict, layer) -> dict:
-    """Layer `layer` of a stacked quantized matrix as `linear` takes it, unsliced: a slice
-    handed to the CPU kernel (a custom call) would be copied first, a cost measured in
-    docs/performance.md ("A CPU kernel for quantized matmuls, and 4-bit weights two a
-    byte"). `linear` slices it where XLA runs."""
-    return {**w, "layer": layer}
+def stacked(w, layer) -> dict:
+    """Layer `layer` of a stacked matrix as `linear` takes it, unsliced: a quantized one for
+    the CPU kernel (a slice handed to a custom call would be copied first, a cost measured
+    in docs/performance.md, "A CPU kernel for quantized matmuls, and 4-bit weights two a
+    byte"), a float one ({"stack", "layer"}) for ops/pallas_gpu_matmul from 2 rows up.
+    `linear` slices it where XLA runs."""
+    if isinstance(w, dict):
+        return {**w, "layer": layer}
+    return {"stack": w, "layer": layer}
 
 
 def runs_native(dtype, quant: dict, *, sharded: bool) -> bool:

@@ -15,20 +15,23 @@ leaves no time for are reported as skipped):
    `int4`: TPOT beside its floor (weight + KV bytes a step over the same run's read
    bandwidth, a sum over a 4 GiB array), ready time from an empty compile cache, and the
    count of whole layer matrices the compiled step copies or converts (0: read in place).
-3. the 8B engine at batch 64 (the engine's default limits).
-4. online: `python -m server --load-format dummy` on the 8B shape (config.json and a
-   word-level tokenizer, random weights) with step 3's limits, so its executables come from
-   the store step 3 filled (its ready time is a warm start); a completion, a streamed one
-   and /metrics; then `python -m engine.bench serve` at concurrency 1 and 64, beside the
-   offline engine's TPOT (step 2) and tokens a second (step 3).
-5. with --parity-model: `python -m models.parity` in bfloat16 against a saved transformers
+3. `python -m ops.bench_quantization`: float, int8 and int4 matmuls of the 8B MLP's shape at
+   1 and 64 rows, each layer's weights sliced as a scan does and at constant indices,
+   float weights through ops/pallas_gpu_matmul too (three block shapes), and whether XLA
+   copied or converted a whole matrix.
+4. the 8B engine at batch 64 (the engine's default limits), with `--layer-loop scan-pallas`
+   and then with the plain scan.
+5. the engine bench for the default model's shape (smollm2-135m) at batch 1: TPOT beside
+   its matmuls alone (`dense_t1`); then again with the layer loop inside the step's command
+   buffer (XLA_FLAGS `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`).
+6. online: `python -m server --load-format dummy` on the 8B shape (config.json and a
+   word-level tokenizer, random weights) with step 4's limits, so its executables come from
+   the store the plain scan filled (its ready time is a warm start); a completion, a
+   streamed one and /metrics; then `python -m engine.bench serve` at concurrency 1 and 64,
+   beside the offline engine's TPOT (step 2) and tokens a second (step 4).
+7. with --parity-model: `python -m models.parity` in bfloat16 against a saved transformers
    reference (`--save-reference`, made on a CPU machine), and a greedy chat through
    `python -m server` serving that model on the device.
-6. the engine bench for the default model's shape (smollm2-135m) at batch 1: TPOT beside
-   its matmuls alone (`dense_t1`).
-7. `python -m ops.bench_quantization`: float, int8 and int4 matmuls of the 8B MLP's shape at
-   1 and 64 rows, each layer's weights sliced as a scan does and at constant indices, float
-   weights as a multiply and a sum too, and whether XLA copied or converted a whole matrix.
 8. kernel tests: the attention kernels over float16, bfloat16, fp8 and int8 KV pages, and
    tests/test_pallas_gpu_attention.py, compiled for the GPU (interpret mode and a subset
    under --smoke).
@@ -101,11 +104,33 @@ def main(argv=None) -> int:
         return name not in skip
 
     # Most wanted first (the deadline skips what is left).
-    for q, limit in (("", 100), ("int8", 80), ("int4", 80)):
+    for q, limit in (("", 100), ("int8", 80), ("int4", 100)):
         name = f"engine_{label}_b1" + (f"_{q}" if q else "")
         if wanted(name):
             steps.append(engine_bench(name, big, dtype, 1, out, 240 if smoke else limit, smoke,
                                       q or None))
+
+    if wanted("quant_bench"):
+        # The layer loops, scanned (XLA:GPU copied each float layer's slice) and unrolled, and
+        # float weights through ops/pallas_gpu_matmul (the stack and the layer index). At one
+        # row `linear` runs every format as a multiply and a sum on a GPU.
+        # Two more block shapes of the kernel (first guesses all).
+        cmd = [py, "-m", "ops.bench_quantization", "--output", str(out / "quant_bench.json"),
+               "--layouts", "stacked,unrolled", "--rows", "1,64", "--formats",
+               "float,int8,int4,float-pallas,float-pallas@128x128x0x4x4,"
+               "float-pallas@64x256x0x4x3"]
+        steps.append(run_step("quant_bench", cmd + (["--smoke"] if smoke else []), out,
+                              120 if smoke else 60))
+        path = out / "quant_bench.json"
+        if path.exists():
+            report["quant_summary"] = json.loads(path.read_text())
+
+    # Batch 64 with float products of a few rows in ops/pallas_gpu_matmul (the layer read
+    # out of the stack in place), then the scan as it is (whose store the server takes).
+    name = f"engine_{label}_b{batch}_pallas"
+    if wanted(name):
+        steps.append(engine_bench(name, big, dtype, batch, out, 240 if smoke else 150, smoke,
+                                  extra=("--layer-loop", "scan-pallas")))
     offline = {}
     if wanted(f"engine_{label}_b{batch}"):
         offline = engine_bench(f"engine_{label}_b{batch}", big, dtype, batch, out,
@@ -114,6 +139,16 @@ def main(argv=None) -> int:
         path = out / f"engine_{label}_b{batch}.json"
         if path.exists() and "result" in offline:  # the limits and pages the server takes over
             offline["result"]["args"] = json.loads(path.read_text())["args"]
+    if not smoke and wanted("engine_smollm2_135m_b1"):
+        steps.append(engine_bench("engine_smollm2_135m_b1", "smollm2-135m", dtype, 1, out, 50,
+                                  smoke))
+    if not smoke and wanted("engine_smollm2_135m_b1_graphs"):
+        # The same with the layer loop inside the step's command buffer (a CUDA graph with
+        # conditional nodes), not one launch of its body an iteration from the host.
+        flags = (os.environ.get("XLA_FLAGS", "")
+                 + " --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL").strip()
+        steps.append(engine_bench("engine_smollm2_135m_b1_graphs", "smollm2-135m", dtype, 1,
+                                  out, 50, smoke, env={"XLA_FLAGS": flags}))
     if wanted("online"):
         steps.append(online(out, big, dtype, offline, 300 if smoke else 150, smoke))
     if args.parity_model and wanted("parity"):
@@ -121,21 +156,6 @@ def main(argv=None) -> int:
                             300 if smoke else 60))
     if args.parity_model and wanted("real_server"):
         steps.append(real_server(out, args.parity_model, dtype, 300 if smoke else 60, smoke))
-    if not smoke and wanted("engine_smollm2_135m_b1"):
-        steps.append(engine_bench("engine_smollm2_135m_b1", "smollm2-135m", dtype, 1, out, 50,
-                                  smoke))
-
-    if wanted("quant_bench"):
-        # The layer loops, scanned (XLA:GPU copied each float layer's slice) and unrolled, and
-        # the candidate for float weights at one row: a multiply and a sum (as int8's).
-        cmd = [py, "-m", "ops.bench_quantization", "--output", str(out / "quant_bench.json"),
-               "--layouts", "stacked,unrolled", "--rows", "1,64",
-               "--formats", "float,int8,int4,float-reduce"]
-        steps.append(run_step("quant_bench", cmd + (["--smoke"] if smoke else []), out,
-                          120 if smoke else 60))
-        path = out / "quant_bench.json"
-        if path.exists():
-            report["quant_summary"] = json.loads(path.read_text())
 
     if wanted("kernel_tests"):
         # The KV dtypes first, then the kernel's own tests; each case compiles its own

@@ -100,15 +100,18 @@ def kv_bytes_per_token(preset: str, itemsize: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def engine_bench(name, preset, dtype, batch, out, timeout, smoke, quantization=None) -> dict:
-    """`python -m engine.bench` on random weights of `preset`; at batch 1 its decode's floor:
-    the bytes a step reads over the same run's read bandwidth."""
+def engine_bench(name, preset, dtype, batch, out, timeout, smoke, quantization=None,
+                 extra=(), env=None) -> dict:
+    """`python -m engine.bench` on random weights of `preset` (more arguments in `extra`,
+    more environment in `env`); at batch 1 its decode's floor: the bytes a step reads over
+    the same run's read bandwidth."""
     n_in, n_out = (16, 8) if smoke else (128, 128)
     cmd = [sys.executable, "-m", "engine.bench", "--random-weights", "--config", preset,
            "--dtype", dtype, "--input-len", str(n_in), "--output-len", str(n_out),
            "--ignore-eos", "--output", str(out / f"{name}.json")]
     if quantization:
         cmd += ["--quantization", quantization]
+    cmd += list(extra)
     if batch == 1:
         cmd += ["--num-prompts", "2" if smoke else "4", "--concurrency", "1"]
         if not smoke:  # one sequence's buckets only: a few executables to compile, not ~27
@@ -121,7 +124,7 @@ def engine_bench(name, preset, dtype, batch, out, timeout, smoke, quantization=N
         # compiles one sequence's, as on the GPU.
         seqs = "1" if quantization else "8"
         cmd += ["--max-model-len", "64", "--max-num-seqs", seqs, "--max-num-batched-tokens", "16"]
-    step = run_step(name, cmd, out, timeout)
+    step = run_step(name, cmd, out, timeout, env)
     path = out / f"{name}.json"
     if step["ok"] and path.exists():
         res = json.loads(path.read_text())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -122,24 +123,41 @@ def test_unrolled_layers_equal_the_scan(tiny):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
+def test_stacked_float_products_equal_the_scan(tiny):
+    """--layer-loop scan-pallas: float matrices handed to ops/pallas_gpu_matmul as the stack
+    and the layer index (interpreted on CPU) give the sliced products' logits."""
+    family, path, _ = tiny
+    ids = PROMPTS[2]
+    want = GreedyDecoder(load_model(path, dtype="float32"), max_len=64,
+                         page_size=8).prompt_logits(ids)
+    model = load_model(path, dtype="float32")
+    model.stacked_kernel = True
+    layer = model.layer_params(nnx.to_pure_dict(nnx.state(model.layers)), jnp.int32(0))
+    assert {"stack", "layer"} == set(layer["wq"])  # the whole stack reaches the product
+    got = GreedyDecoder(model, max_len=64, page_size=8).prompt_logits(ids)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)  # summed in another order
+
+
 def test_every_layer_loop_gives_the_engine_the_same_tokens(tmp_path):
-    """--layer-loop: the engine's unrolled layers give the scanned layers' tokens, greedy and
+    """--layer-loop: the engine's unrolled layers, and its scan with float products in
+    ops/pallas_gpu_matmul (interpreted here), give the scanned layers' tokens, greedy and
     seeded, batched with chunked prefill. Gemma 3, whose scan takes a period of layer kinds
     an iteration (Qwen3's one kind: test_unrolled_layers_equal_the_scan)."""
     path = save_tiny_hf(tmp_path, family="gemma3", num_key_value_heads=2)
     cfg = EngineConfig(model=str(path), dtype="float32", max_model_len=128, max_num_seqs=4,
                        max_num_batched_tokens=16, block_size=8)
     runs = {}
-    for loop in ("scan", "unroll"):
+    for loop in ("scan", "unroll", "scan-pallas"):
         engine = LLMEngine(dataclasses.replace(cfg, layer_loop=loop), detokenize=False)
-        assert nnx.merge(engine.runner.graphdef, engine.runner.state).unroll_layers == (
-            loop == "unroll")
+        model = nnx.merge(engine.runner.graphdef, engine.runner.state)
+        assert model.unroll_layers == (loop == "unroll")
+        assert model.stacked_kernel == (loop == "scan-pallas")
         greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True)
         runs[loop] = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, greedy)
                       + engine.generate(PROMPTS, seeded)]
         engine.runner.release()
-    assert runs["unroll"] == runs["scan"]
+    assert runs["unroll"] == runs["scan"] == runs["scan-pallas"]
 
 
 def test_registry_is_the_one_dispatch(tmp_path):

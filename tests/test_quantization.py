@@ -89,16 +89,29 @@ def test_quantized_matmul_matches_float(name, rows, blocks, monkeypatch):
     assert lo <= parts["q"].min() and parts["q"].max() <= hi
 
 
-def test_one_row_of_per_channel_int8_as_a_gpu_runs_it(monkeypatch):
-    """On a GPU one row of per-channel int8 is a multiply and a sum, no dot: the same product."""
+@pytest.mark.parametrize("fmt,storage", [
+    (None, None), (QuantFormat(8, 0), jnp.int8), (QuantFormat(8, 32), jnp.int8),
+    (QuantFormat(4, 32), jnp.int4), (QuantFormat(4, 32, has_min=True), jnp.uint4),
+    (QuantFormat(4, 32, has_min=True), jnp.int8)], ids=str)
+def test_one_row_as_a_gpu_runs_it(monkeypatch, fmt, storage):
+    """On a GPU one row is a multiply and a sum, no dot, for float weights and every
+    weight-only format (4-bit values in the GPU's own 4-bit dtypes too), sliced out of a
+    layer stack as the model does: the same product."""
     monkeypatch.setattr(quantized_linear, "reduces_one_row", lambda: True)
-    w = _weight(40, 128)
-    parts = quantize(w, QuantFormat(8, 0))
+    stack = np.stack([_weight(40, 128, seed=s) for s in (0, 1)])
+    if fmt is None:
+        parts, dense = jnp.asarray(stack), stack
+    else:
+        parts = quantize(stack, fmt)
+        dense = np.asarray(dequantize(parts["q"], parts["scale"], parts.get("min"), xp=np))
+        parts["q"] = jnp.asarray(parts["q"]).astype(storage)
     x = np.random.default_rng(2).standard_normal((1, 128)).astype(np.float32)
-    assert "dot_general" not in str(jax.make_jaxpr(linear)(x, parts))
-    exact = x @ dequantize(parts["q"], parts["scale"], xp=np).T
+    layer = lambda w, i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), w)
+    assert "dot_general" not in str(jax.make_jaxpr(
+        lambda x, w: linear(x, layer(w, 1)))(x, parts))
+    exact = x @ dense[1].T
     for out_dtype in (None, jnp.bfloat16):
-        got = jax.jit(lambda x, w, d=out_dtype: linear(x, w, d))(x, parts)
+        got = jax.jit(lambda x, w, d=out_dtype: linear(x, layer(w, 1), d))(x, parts)
         assert got.shape == (1, 40) and got.dtype == (out_dtype or jnp.float32)
         np.testing.assert_allclose(np.asarray(got, np.float32), exact, rtol=1e-2 if out_dtype
                                    else 1e-5, atol=1e-4 if out_dtype is None else 2e-2)
