@@ -72,7 +72,8 @@ def pallas_linear(options: str = ""):
     `options`: "BNxBKxSPLITSxWARPSxSTAGES" (0: the kernel's choice), from a format named
     float-pallas@OPTIONS."""
     names = ("block_n", "block_k", "splits", "num_warps", "num_stages")
-    kwargs = {k: int(v) for k, v in zip(names, options.split("x"), strict=False) if options and int(v)}
+    values = map(int, options.split("x")) if options else ()
+    kwargs = {k: v for k, v in zip(names, values, strict=False) if v}
 
     def product(x: jax.Array, stack: jax.Array, layer) -> jax.Array:
         out_f, in_f = stack.shape[1:]
