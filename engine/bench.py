@@ -265,8 +265,8 @@ def main(argv=None) -> int:
                    help="overlap each step with the host work of the one before (default: on)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="rows computed alike in any batch (EngineConfig.batch_invariant)")
-    p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="scan",
-                   help="scan, unroll or scan-pallas (EngineConfig.layer_loop)")
+    p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
+                   help="auto, scan, unroll or scan-pallas (EngineConfig.layer_loop)")
     p.add_argument("--simulate-device-ms", type=float, default=None,
                    help="measure the host path alone against a simulated device whose step "
                         "takes this long (no model runs)")

@@ -10,8 +10,9 @@ import functools
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "w8a8")
 # The --kv-cache-dtype choices: ops.kv_cache.KV_CACHE_DTYPES (held equal by a test too).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
-# The --layer-loop choices (models.llama.unrolls_layers, stacks_float_products).
-LAYER_LOOPS = ("scan", "unroll", "scan-pallas")
+# The --layer-loop choices (models.llama.unrolls_layers, stacks_float_products); auto is
+# scan-pallas on one GPU, scan elsewhere.
+LAYER_LOOPS = ("auto", "scan", "unroll", "scan-pallas")
 # Decodes of up to this many sequences run body and head as one executable: a lone decode
 # saves ~0.5-1 ms a token with it (2-core CPU), 8 sequences nothing measurable, and each
 # fused executable holds ~30 MiB more (docs/performance.md).
@@ -91,8 +92,9 @@ class EngineConfig:
     # (compile time flat in depth), unrolled (XLA:GPU reads each layer's float weights in
     # place only at a constant index, but compiles for minutes on an 8B model), or scanned
     # with float products of 2-128 rows in ops/pallas_gpu_matmul, which reads the layer out
-    # of the stack in place (one GPU).
-    layer_loop: str = "scan"
+    # of the stack in place (one GPU; auto's choice there: on an H100, Llama-3-8B at batch
+    # 64 ran 3,661 tokens/s with it, docs/performance.md).
+    layer_loop: str = "auto"
     # "dummy": random weights of the model's shapes instead of its files (benchmarks).
     load_format: str = "auto"
 

@@ -64,13 +64,15 @@ class _Stack(nnx.Module):
 
 def stacks_float_products(layer_loop: str, mesh) -> bool:
     """Whether float matrices reach their products as the whole stack and the layer index
-    (`--layer-loop scan-pallas`, one device: ops/pallas_gpu_matmul)."""
-    return layer_loop == "scan-pallas" and mesh is None
+    (ops/pallas_gpu_matmul): `--layer-loop scan-pallas`, and `auto` on a GPU; one device."""
+    wanted = layer_loop == "scan-pallas" or (layer_loop == "auto"
+                                             and jax.default_backend() == "gpu")
+    return wanted and mesh is None
 
 
 def unrolls_layers(layer_loop: str, native_matmuls: bool) -> bool:
-    """Whether the layers run unrolled for `layer_loop` (scan or unroll: the engine's
-    --layer-loop). The CPU kernel's quantized products take the stack and the layer index,
+    """Whether the layers run unrolled for `layer_loop` (the engine's --layer-loop: only
+    `unroll` unrolls). The CPU kernel's quantized products take the stack and the layer index,
     so under it the loop stays a scan."""
     return layer_loop == "unroll" and not native_matmuls
 

@@ -116,13 +116,22 @@ def layer_loop(x: jax.Array, w, layout: str = "stacked", product=linear) -> jax.
 
 def materialized(hlo: str, out_f: int, in_f: int) -> int:
     """Instructions of the optimized program that write a whole [O, I] (or [L, O, I])
-    matrix of any dtype: a copied or converted weight (or stack of them). Views write
-    nothing and are not counted: parameters, bitcasts, and constant slices (an H200 read
-    those in place: an unrolled layer ran as fast as a separate array)."""
+    matrix of any dtype: a copied or converted weight (or stack of them). Only instructions
+    that write memory count: those of the entry computation and of loop bodies, not the
+    insides of a fusion (a multiply of the weight fused into its sum writes nothing). Views
+    write nothing either: parameters, bitcasts, and constant slices (an H200 read those in
+    place: an unrolled layer ran as fast as a separate array)."""
     shape = re.compile(rf"= \w+\[(?:\d+,)?{out_f},{in_f}\]\S* ([\w-]+?)\(")
     views = ("parameter", "bitcast", "get-tuple-element", "tuple", "slice")
-    return sum(1 for line in hlo.splitlines()
-               if (m := shape.search(line)) and m.group(1) not in views)
+    fused = set(re.findall(r" fusion\(.*?calls=%?([\w.-]+)", hlo))
+    count, inside = 0, False
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = line.removeprefix("ENTRY ").split(" ")[0].lstrip("%")
+            inside = name in fused  # a fusion's body: computed in registers, not written
+        elif not inside and (m := shape.search(line)) and m.group(1) not in views:
+            count += 1
+    return count
 
 
 def run(name, rows, layout, args, dtype, ceilings) -> dict:

@@ -96,7 +96,7 @@ def checks(report: dict) -> list[tuple[str, float | None, str, bool | None]]:
     big = report["big"]
     bf16, int8, int4 = (result(f"engine_{big}_b1{q}") for q in ("", "_int8", "_int4"))
     b64 = result(f"engine_{big}_b{report['batch']}")
-    b64_pallas = result(f"engine_{big}_b{report['batch']}_pallas")
+    b64_scan = result(f"engine_{big}_b{report['batch']}_scan")
     small = result("engine_smollm2_135m_b1")
     small_graphs = result("engine_smollm2_135m_b1_graphs")
     net = steps.get("online", {})
@@ -114,12 +114,12 @@ def checks(report: dict) -> list[tuple[str, float | None, str, bool | None]]:
             check(f"b=1 {name} TPOT ms", res["median_tpot_ms"], f"<= {share} x bf16's",
                   res["median_tpot_ms"] <= share * tpot)
     for name, res in (("bf16", bf16), ("int8", int8), ("int4", int4), ("b=64", b64),
-                      ("b=64 scan-pallas", b64_pallas)):
+                      ("b=64 --layer-loop scan", b64_scan)):
         if res.get("weight_copies") is not None:
             copies = sum(res["weight_copies"].values())
             check(f"{name}: whole weight matrices copied in the step", copies, "== 0",
                   copies == 0)
-    for name, res in (("b=64", b64), ("b=64 scan-pallas", b64_pallas)):
+    for name, res in (("b=64", b64), ("b=64 --layer-loop scan", b64_scan)):
         if res.get("output_throughput"):
             check(f"{name} output tok/s", res["output_throughput"], ">= 2.5 x 2,762 (H200)",
                   res["output_throughput"] >= 2.5 * 2762)

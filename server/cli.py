@@ -131,12 +131,13 @@ def parser() -> argparse.ArgumentParser:
                    help="dummy: random weights of the model's shapes instead of its files, "
                         "for benchmarks (the directory needs only config.json and a "
                         "tokenizer)")
-    p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="scan",
-                   help="how the model runs its layers: scanned (the default: compile time "
-                        "flat in depth), unrolled (on a GPU each layer's float weights are "
-                        "read in place, but a large model compiles for minutes), or scanned "
-                        "with float products of 2-128 rows in a Pallas kernel that reads the "
-                        "layer out of the stack in place (scan-pallas, one GPU)")
+    p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
+                   help="how the model runs its layers: scanned (compile time flat in depth), "
+                        "unrolled (on a GPU each layer's float weights are read in place, but "
+                        "a large model compiles for minutes), or scanned with float products "
+                        "of 2-128 rows in a Pallas kernel that reads the layer out of the "
+                        "stack in place (scan-pallas, one GPU); auto: scan-pallas on one GPU, "
+                        "scan elsewhere")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="chat replies: text inside <think>...</think> goes to the message's "

@@ -18,7 +18,7 @@ from ops import native
 ROOT = Path(__file__).resolve().parents[1]
 # Left out of the default run (each has tests of its own); every step runs under -m slow.
 OTHERWISE_TESTED = ("engine_tiny_b1_int8", "engine_tiny_b1_int4", "quant_bench", "kernel_tests",
-                    "attention_bench", "engine_tiny_b8_pallas")
+                    "attention_bench", "engine_tiny_b8_scan")
 
 
 def smoke(out: Path, skip: tuple[str, ...] = ()) -> dict:
@@ -52,7 +52,7 @@ def test_gpu_check_smoke(tmp_path):
     report = smoke(tmp_path)
     names = [s["name"] for s in report["steps"]]
     assert names == ["engine_tiny_b1", "engine_tiny_b1_int8", "engine_tiny_b1_int4",
-                     "quant_bench", "engine_tiny_b8_pallas", "engine_tiny_b8", "online",
+                     "quant_bench", "engine_tiny_b8", "online", "engine_tiny_b8_scan",
                      "kernel_tests", "attention_bench"]
     assert all(s["ok"] for s in report["steps"])
     on_cpu = "cpu" if native.available() else "reference"  # our kernel where it was built
@@ -73,8 +73,8 @@ def test_gpu_check_smoke(tmp_path):
     assert {r["layout"] for r in quant} == {"stacked", "unrolled"}
     assert all(r["rel_err"] < 1e-4 and r["seconds"] > 0 for r in quant)
     assert "| float-pallas | stacked | 4 |" in (tmp_path / "gpu_check.md").read_text()
-    pallas = next(s for s in report["steps"] if s["name"] == "engine_tiny_b8_pallas")["result"]
-    assert pallas["compilations_after_warmup"] == 0
+    scan = next(s for s in report["steps"] if s["name"] == "engine_tiny_b8_scan")["result"]
+    assert scan["compilations_after_warmup"] == 0
     server = next(s for s in report["steps"] if s["name"] == "online")
     assert server["completion_tokens"] == 8 and server["stream_chunks"] >= 8
     assert "| engine_tiny_b8 |" in (tmp_path / "gpu_check.md").read_text()

@@ -138,6 +138,18 @@ def test_stacked_float_products_equal_the_scan(tiny):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)  # summed in another order
 
 
+def test_auto_layer_loop_hands_float_products_the_stack_on_one_gpu(monkeypatch):
+    from models import llama
+    assert EngineConfig(model="m").layer_loop == "auto"
+    assert not llama.stacks_float_products("auto", None)  # this CPU: the plain scan
+    assert llama.stacks_float_products("scan-pallas", None)
+    monkeypatch.setattr(llama.jax, "default_backend", lambda: "gpu")
+    assert llama.stacks_float_products("auto", None)
+    assert not llama.stacks_float_products("auto", object())  # a mesh: XLA's products
+    assert not llama.stacks_float_products("scan", None)
+    assert not llama.unrolls_layers("auto", False)
+
+
 def test_every_layer_loop_gives_the_engine_the_same_tokens(tmp_path):
     """--layer-loop: the engine's unrolled layers, and its scan with float products in
     ops/pallas_gpu_matmul (interpreted here), give the scanned layers' tokens, greedy and

@@ -353,3 +353,28 @@ def test_random_weights_quantize_on_the_device(scheme, small_frequent_rows):
     if scheme == "int4":  # every part of the format, minimums included (they were left at 0)
         assert model.layers.wq_min[...].any()
         assert model.embed[...].shape[0] == 64 and model.embed_rare_min[...].any()
+
+
+def test_materialized_counts_written_matrices_not_a_fusions_insides():
+    """ops.bench_quantization.materialized (the kit's weight-copy count): a slice of the stack
+    written by a fusion of the entry computation counts; the weight multiplied inside the
+    fusion that sums it (one row on a GPU) writes nothing and does not."""
+    from ops.bench_quantization import materialized
+    from ops.quantized_linear import row_sums
+    w, x = jnp.ones((3, 96, 64), jnp.float32), jnp.ones((1, 64), jnp.float32)
+    f = jax.jit(lambda x, w, i: row_sums(x, jax.lax.dynamic_index_in_dim(w, i, 0, False)))
+    hlo = f.lower(x, w, 1).compile().as_text()
+    assert "fused_computation" in hlo and " multiply(" in hlo  # the insides are in the text
+    assert materialized(hlo, 96, 64) == 1  # XLA:CPU writes the slice, then sums it
+    gpu_like = """HloModule m
+%fused_reduce (param_0: bf16[32,96,64], param_1: s32[]) -> f32[1,96] {
+  %ds = bf16[1,96,64]{2,1,0} dynamic-slice(%param_0, %param_1), dynamic_slice_sizes={1,96,64}
+  %mul = f32[1,96,64]{2,1,0} multiply(%a, %b)
+}
+ENTRY %main (w: bf16[32,96,64], i: s32[]) -> f32[1,96] {
+  %w = bf16[32,96,64]{2,1,0} parameter(0)
+  ROOT %r = f32[1,96]{1,0} fusion(%w, %i), kind=kInput, calls=%fused_reduce
+}
+"""
+    assert materialized(gpu_like, 96, 64) == 0
+    assert materialized(gpu_like.replace("calls=%fused_reduce", "calls=%other"), 96, 64) == 2
