@@ -91,9 +91,9 @@ class EngineConfig:
     # How the model loops over its layers (LAYER_LOOPS, models.llama.unrolls_layers): scanned
     # (compile time flat in depth), unrolled (XLA:GPU reads each layer's float weights in
     # place only at a constant index, but compiles for minutes on an 8B model), or scanned
-    # with float products of 2-128 rows in ops/pallas_gpu_matmul, which reads the layer out
-    # of the stack in place (one GPU; auto's choice there: on an H100, Llama-3-8B at batch
-    # 64 ran 3,661 tokens/s with it, docs/performance.md).
+    # with float and per-channel int8 products of 2-128 rows in ops/pallas_gpu_matmul, which
+    # reads the layer out of the stack in place (one GPU; auto's choice there: on an H100,
+    # Llama-3-8B at batch 64 ran 3,661 tokens/s with it, docs/performance.md).
     layer_loop: str = "auto"
     # "dummy": random weights of the model's shapes instead of its files (benchmarks).
     load_format: str = "auto"

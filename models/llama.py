@@ -176,8 +176,9 @@ class Llama(nnx.Module):
         # in 0.053 ms unrolled, 0.136 scanned); but Llama-3-8B's unrolled engine was not
         # ready after 250 s there (docs/performance.md).
         self.unroll_layers = False
-        # Scanned, float matrices handed to their products as the stack and the layer index
-        # (`stacks_float_products`), read in place by ops/pallas_gpu_matmul from 2 rows up.
+        # Scanned, float and per-channel int8 matrices handed to their products as the stack
+        # and the layer index (`stacks_float_products`), read in place by
+        # ops/pallas_gpu_matmul from 2 rows up.
         self.stacked_kernel = False
         # --batch-invariant: our CPU kernels at every row count, and attention that never cuts
         # a lone decode over the threads, so a row's numbers do not depend on its batch
@@ -265,10 +266,14 @@ class Llama(nnx.Module):
         """Layer `idx`'s parameters from the stacked ones: each sliced, except quantized
         matrices under the CPU kernel, which get the whole stack and the index
         (ops.quantized_linear.stacked)."""
-        matrices = {n for n in stack if n + "_scale" in stack} if self.native_matmuls else ()
+        kernel = self.stacked_kernel and not isinstance(idx, int)
+        matrices = ({n for n in stack if n + "_scale" in stack} if self.native_matmuls else
+                    {n for n in stack if self._channel_int8(stack, n)} if kernel else set())
         parts = {n + suffix for n in matrices for suffix in ("_scale", "_min")}
-        floats = ({n for n, a in stack.items() if a.ndim == 3 and n + "_scale" not in stack}
-                  if self.stacked_kernel and not isinstance(idx, int) else ())
+        quant_parts = {n + suffix for n in stack if n + "_scale" in stack
+                       for suffix in ("_scale", "_min")}
+        floats = ({n for n, a in stack.items() if a.ndim == 3 and n + "_scale" not in stack
+                   and n not in quant_parts} if kernel else ())
         take = ((lambda a: a[idx]) if isinstance(idx, int)  # unrolled: a constant slice
                 else (lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, False)))
         p = {n: take(a) for n, a in stack.items()
@@ -276,6 +281,13 @@ class Llama(nnx.Module):
         p.update({n: stacked(weight(stack, n), idx) for n in matrices})
         p.update({n: stacked(stack[n], idx) for n in floats})
         return p
+
+    def _channel_int8(self, stack: dict, name: str) -> bool:
+        """Whether stacked matrix `name` is weight-only per-channel int8, which
+        ops/pallas_gpu_matmul reads out of the stack (`stacked_kernel`)."""
+        scale = stack.get(name + "_scale")
+        return (scale is not None and not self.int8_activations and scale.shape[-1] == 1
+                and stack[name].dtype == jnp.int8 and name + "_min" not in stack)
 
     # ---- the steps a family may override -----------------------------------------------
 

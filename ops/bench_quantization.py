@@ -38,8 +38,9 @@ from ops.quantized_linear import linear, row_sums
 FORMATS = {"float": None, "int8": QuantFormat(8, 0), "int4": QuantFormat(4, 32, has_min=True),
            # candidates: `reduce_linear` at any row count, and float weights so
            "int8-reduce": QuantFormat(8, 0), "float-reduce": None,
-           # float weights through ops/pallas_gpu_matmul (the stack and the layer index)
-           "float-pallas": None}
+           # float and per-channel int8 weights through ops/pallas_gpu_matmul (the stack and
+           # the layer index)
+           "float-pallas": None, "int8-pallas": QuantFormat(8, 0)}
 LAYOUTS = ("stacked", "counted", "unrolled", "separate")
 ROTATE_BYTES = 512 << 20  # the float layers together exceed any cache (H200 L2: 60 MB)
 
@@ -68,18 +69,20 @@ def reduce_linear(x: jax.Array, w) -> jax.Array:
 
 
 def pallas_linear(options: str = ""):
-    """Float weights through ops/pallas_gpu_matmul: the whole stack and the layer index.
+    """Float or per-channel int8 weights through ops/pallas_gpu_matmul: the whole stack and
+    the layer index.
     `options`: "BNxBKxSPLITSxWARPSxSTAGES" (0: the kernel's choice), from a format named
     float-pallas@OPTIONS."""
     names = ("block_n", "block_k", "splits", "num_warps", "num_stages")
     values = map(int, options.split("x")) if options else ()
     kwargs = {k: v for k, v in zip(names, values, strict=False) if v}
 
-    def product(x: jax.Array, stack: jax.Array, layer) -> jax.Array:
+    def product(x: jax.Array, w, layer) -> jax.Array:
+        stack, scale = (w["q"], w["scale"]) if isinstance(w, dict) else (w, None)
         out_f, in_f = stack.shape[1:]
         fits = (out_f % kwargs.get("block_n", 1) == 0  # else (--smoke's shapes) its choice
                 and in_f % (kwargs.get("block_k", 1) * kwargs.get("splits", 1)) == 0)
-        return stacked_matmul(x, stack, layer, **(kwargs if fits else {}))
+        return stacked_matmul(x, stack, layer, scale=scale, **(kwargs if fits else {}))
 
     product.takes_stack = True  # layer_loop hands it the stack and the index, unsliced
     return product
@@ -179,7 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,16,64,256")
     ap.add_argument("--formats", default="float,int8,int4",
                     help=f"some of {', '.join(FORMATS)}; float-pallas@BNxBKxSPLITSxWARPSxSTAGES "
-                         "sets the kernel's blocks (0: its choice)")
+                         "(int8-pallas@...) sets the kernel's blocks (0: its choice)")
     ap.add_argument("--layouts", default="stacked", help=f"some of {', '.join(LAYOUTS)} "
                     "(layer_loop)")
     ap.add_argument("--hlo-dir", help="write each case's optimized HLO here")

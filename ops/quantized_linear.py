@@ -70,6 +70,11 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
         if x.shape[0] > 1 and pallas_gpu_matmul.fits(x, w["stack"]):
             return pallas_gpu_matmul.stacked_matmul(x, w["stack"], w["layer"], out_dtype)
         w = jax.lax.dynamic_index_in_dim(w["stack"], w["layer"], 0, False)
+    if (not native and not int8_activations and x.shape[0] > 1 and isinstance(w, dict)
+            and "layer" in w and "min" not in w
+            and pallas_gpu_matmul.fits(x, w["q"], w["scale"])):  # per-channel int8's stack
+        return pallas_gpu_matmul.stacked_matmul(x, w["q"], w["layer"], out_dtype,
+                                                scale=w["scale"])
     if native and native_fits(x, w, any_rows):
         y = native_linear(x, w)
         return y if out_dtype is None else y.astype(out_dtype)
@@ -163,8 +168,8 @@ def stacked(w, layer) -> dict:
     """Layer `layer` of a stacked matrix as `linear` takes it, unsliced: a quantized one for
     the CPU kernel (a slice handed to a custom call would be copied first, a cost measured
     in docs/performance.md, "A CPU kernel for quantized matmuls, and 4-bit weights two a
-    byte"), a float one ({"stack", "layer"}) for ops/pallas_gpu_matmul from 2 rows up.
-    `linear` slices it where XLA runs."""
+    byte"), a float one ({"stack", "layer"}) or a per-channel int8 one for
+    ops/pallas_gpu_matmul from 2 rows up. `linear` slices it where XLA runs."""
     if isinstance(w, dict):
         return {**w, "layer": layer}
     return {"stack": w, "layer": layer}

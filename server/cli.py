@@ -134,9 +134,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
                    help="how the model runs its layers: scanned (compile time flat in depth), "
                         "unrolled (on a GPU each layer's float weights are read in place, but "
-                        "a large model compiles for minutes), or scanned with float products "
-                        "of 2-128 rows in a Pallas kernel that reads the layer out of the "
-                        "stack in place (scan-pallas, one GPU); auto: scan-pallas on one GPU, "
+                        "a large model compiles for minutes), or scanned with float and int8 "
+                        "products of 2-128 rows in a Pallas kernel that reads the layer out of "
+                        "the stack in place (scan-pallas, one GPU); auto: scan-pallas on one GPU, "
                         "scan elsewhere")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,

@@ -68,8 +68,8 @@ def test_gpu_check_smoke(tmp_path):
                                                 for r in report["attention_summary"])
     quant = report["quant_summary"]["rows"]
     assert {r["format"] for r in quant} == {"float", "int8", "int4", "float-pallas",
-                                            "float-pallas@128x128x0x4x4",
-                                            "float-pallas@64x256x0x4x3"}
+                                            "int8-pallas", "float-pallas@32x512x0x4x3",
+                                            "int8-pallas@64x512x0x4x3"}
     assert {r["layout"] for r in quant} == {"stacked", "unrolled"}
     assert all(r["rel_err"] < 1e-4 and r["seconds"] > 0 for r in quant)
     assert "| float-pallas | stacked | 4 |" in (tmp_path / "gpu_check.md").read_text()

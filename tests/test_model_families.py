@@ -123,18 +123,26 @@ def test_unrolled_layers_equal_the_scan(tiny):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
-def test_stacked_float_products_equal_the_scan(tiny):
-    """--layer-loop scan-pallas: float matrices handed to ops/pallas_gpu_matmul as the stack
-    and the layer index (interpreted on CPU) give the sliced products' logits."""
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_stacked_products_equal_the_scan(tiny, quantization):
+    """--layer-loop scan-pallas: float and per-channel int8 matrices handed to
+    ops/pallas_gpu_matmul as the stack and the layer index (interpreted on CPU, our CPU
+    kernel off) give the sliced products' logits."""
     family, path, _ = tiny
     ids = PROMPTS[2]
-    want = GreedyDecoder(load_model(path, dtype="float32"), max_len=64,
-                         page_size=8).prompt_logits(ids)
-    model = load_model(path, dtype="float32")
-    model.stacked_kernel = True
-    layer = model.layer_params(nnx.to_pure_dict(nnx.state(model.layers)), jnp.int32(0))
-    assert {"stack", "layer"} == set(layer["wq"])  # the whole stack reaches the product
-    got = GreedyDecoder(model, max_len=64, page_size=8).prompt_logits(ids)
+
+    def model(stacked):
+        m = load_model(path, dtype="float32", quantization=quantization)
+        m.native_matmuls = False  # XLA's products, as on a GPU
+        m.stacked_kernel = stacked
+        return m
+
+    want = GreedyDecoder(model(False), max_len=64, page_size=8).prompt_logits(ids)
+    stacked = model(True)
+    layer = stacked.layer_params(nnx.to_pure_dict(nnx.state(stacked.layers)), jnp.int32(0))
+    assert {"stack", "layer"} == set(layer["wq"]) if quantization is None else (
+        {"q", "scale", "layer"} == set(layer["wq"]))  # the whole stack reaches the product
+    got = GreedyDecoder(stacked, max_len=64, page_size=8).prompt_logits(ids)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)  # summed in another order
 
 

@@ -35,6 +35,20 @@ def test_matches_the_sliced_product(out_f, in_f, rows, splits):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_int8_weights_with_per_channel_scales(rows):
+    """Per-channel int8 converted in the read, each channel's sum times its scale: the
+    product of the dequantized layer (one row as a multiply and a sum, more as a dot)."""
+    from ops.quantization import QuantFormat, dequantize, quantize
+    x, stack = _case(3, 128, 512, rows)
+    parts = quantize(stack, QuantFormat(8, 0), xp=jnp)
+    assert fits(x, parts["q"], parts["scale"])
+    assert not fits(x, parts["q"])  # int8 needs its scales
+    want = np.asarray(x) @ np.asarray(dequantize(parts["q"], parts["scale"]))[2].T
+    got = stacked_matmul(x, parts["q"], 2, scale=parts["scale"])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+
+
 def test_bfloat16_weights_and_a_float32_result():
     x, stack = _case(2, 128, 256, 8, jnp.bfloat16)
     got = stacked_matmul(x, stack, 1, jnp.float32)
@@ -47,6 +61,7 @@ def test_block_sizes_fill_the_gpu_by_splitting_the_inputs():
     assert block_sizes(14336, 4096) == (64, 128, 2)   # 224 blocks of channels
     assert block_sizes(1024, 4096) == (64, 128, 8)    # 16 blocks: split 8 ways
     assert block_sizes(576, 576) == (64, 64, 1)       # 9 steps: no even split
+    assert block_sizes(14336, 4096, rows=1) == (64, 256, 2)  # one row: longer blocks
     assert block_sizes(100, 64) is None               # no block of 16 divides 100
 
 
@@ -54,16 +69,21 @@ def test_what_it_takes():
     x, stack = _case(2, 64, 64, 4)
     assert fits(x, stack)
     assert not fits(jnp.zeros((129, 64)), stack)              # more rows than MAX_ROWS
-    assert not fits(x, stack.astype(jnp.int8))                # quantized: XLA's path
+    assert not fits(x, stack.astype(jnp.int8))                # int8 without its scales
     assert not fits(x, jnp.zeros((2, 100, 64)))               # no block divides 100
     with pytest.raises(ValueError, match="float"):
-        stacked_matmul(x, stack.astype(jnp.int8), 0)
+        stacked_matmul(x, stack.astype(jnp.int4), 0)
     with pytest.raises(ValueError, match="do not divide"):
         stacked_matmul(x, stack, 0, block_n=128)
 
 
-def test_lowers_to_one_triton_kernel_for_cuda():
-    x, stack = _case(4, 1024, 256, 64, jnp.bfloat16)
-    fn = jax.jit(lambda x, s, layer: stacked_matmul(x, s, layer, interpret=False))
-    text = fn.trace(x, stack, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+@pytest.mark.parametrize("rows,int8", [(64, False), (1, False), (8, True), (1, True)])
+def test_lowers_to_one_triton_kernel_for_cuda(rows, int8):
+    x, stack = _case(4, 1024, 256, rows, jnp.bfloat16)
+    scale = None
+    if int8:
+        stack, scale = stack.astype(jnp.int8), jnp.ones((4, 1024, 1), jnp.float16)
+    fn = jax.jit(lambda x, s, layer, c: stacked_matmul(x, s, layer, scale=c, interpret=False))
+    text = fn.trace(x, stack, jnp.int32(1), scale).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
