@@ -68,6 +68,7 @@ def build_engine(args) -> LLMEngine:
                   block_size=args.block_size, attention_backend=args.attention_backend,
                   tensor_parallel_size=args.tensor_parallel_size,
                   async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant,
+                  native_kernels=args.native_kernels,
                   layer_loop=args.layer_loop)
     if args.random_weights:
         from models.loader import resolve_dtype
@@ -265,6 +266,8 @@ def main(argv=None) -> int:
                    help="overlap each step with the host work of the one before (default: on)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="rows computed alike in any batch (EngineConfig.batch_invariant)")
+    p.add_argument("--native-kernels", choices=("auto", "off"), default="auto",
+                   help="our CPU kernels, or off (EngineConfig.native_kernels)")
     p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
                    help="auto, scan, unroll or scan-pallas (EngineConfig.layer_loop)")
     p.add_argument("--simulate-device-ms", type=float, default=None,

@@ -92,9 +92,13 @@ class EngineConfig:
     # (compile time flat in depth), unrolled (XLA:GPU reads each layer's float weights in
     # place only at a constant index, but compiles for minutes on an 8B model), or scanned
     # with float and per-channel int8 products of 2-128 rows in ops/pallas_gpu_matmul, which
-    # reads the layer out of the stack in place (one GPU; auto's choice there: on an H100,
-    # Llama-3-8B at batch 64 ran 3,661 tokens/s with it, docs/performance.md).
+    # reads the layer out of the stack in place (one GPU; auto's choice there, measured in
+    # docs/performance.md, "Weights read in place on an H100").
     layer_loop: str = "auto"
+    # xlaserve's CPU kernels (ops/native): "auto" builds and uses them where they can be
+    # built, unless XLASERVE_NATIVE_KERNELS=0; "off" leaves them off in this process (XLA's
+    # matmuls and the reference attention), applied before the engine loads its model.
+    native_kernels: str = "auto"
     # "dummy": random weights of the model's shapes instead of its files (benchmarks).
     load_format: str = "auto"
 
@@ -113,6 +117,8 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.native_kernels not in ("auto", "off"):
+            raise ValueError(f"native_kernels must be auto or off, got {self.native_kernels!r}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, "
                              f"got {self.layer_loop!r}")

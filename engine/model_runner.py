@@ -44,6 +44,7 @@ from models.loader import (
     weight_bytes,
 )
 from models.sharding import kv_cache_sharding, make_mesh, replicated, sharded_config
+from ops import native
 from ops.kv_cache import QUANTIZED_KV, KVCache, kv_specs, resolve_kv_dtype
 from ops.sampling_metadata import NUM_TOP_LOGPROBS
 
@@ -89,6 +90,8 @@ class PendingStep:
 class ModelRunner(StepTable):
     def __init__(self, config: EngineConfig, model=None):
         self.config = config
+        if config.native_kernels == "off":  # before any model is loaded or step compiled
+            native.turn_off("--native-kernels off")
         self.cluster = cluster.leader  # multi-host: followers mirror every device action
         if self.cluster is not None:
             if model is not None:

@@ -172,9 +172,8 @@ class Llama(nnx.Module):
         # How the layers loop (the engine sets it from --layer-loop). Scanned by default:
         # compile time does not grow with depth. Unrolled, each layer's weights are sliced at
         # a constant index, which XLA:GPU reads in place where it copies a float slice at a
-        # loop index whole before its cuBLAS product (an H200: a 4096 x 14336 bfloat16 layer
-        # in 0.053 ms unrolled, 0.136 scanned); but Llama-3-8B's unrolled engine was not
-        # ready after 250 s there (docs/performance.md).
+        # loop index whole before its cuBLAS product; but Llama-3-8B's unrolled engine took
+        # minutes to compile (docs/performance.md).
         self.unroll_layers = False
         # Scanned, float and per-channel int8 matrices handed to their products as the stack
         # and the layer index (`stacks_float_products`), read in place by

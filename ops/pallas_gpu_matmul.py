@@ -4,11 +4,10 @@ weights and per-channel int8 ones (`scale`, converted in the read and applied to
 
 Why: the model scans its layers over stacked weights [L, O, I], and XLA:GPU copies each
 layer's [O, I] slice out of the stack before its cuBLAS product, three passes over the
-bytes where one would do (an H100: a 4096 x 14336 bfloat16 layer at 64 rows took 0.170 ms
-scanned against 0.071 ms with the layer at a constant index, and 0.084 ms in this kernel;
-docs/performance.md, "Weights read in place on an H100"). At one row a multiply and a sum
-also reads in place (ops/quantized_linear.row_sums); from a few rows up a dot is needed,
-and this kernel takes the whole stack and the layer index, so nothing is copied.
+bytes where one would do (docs/performance.md, "Weights read in place on an H100", has
+the times). At one row a multiply and a sum also reads in place
+(ops/quantized_linear.row_sums); from a few rows up a dot is needed, and this kernel takes
+the whole stack and the layer index, so nothing is copied.
 
 Each program multiplies the rows by one block of `block_n` output channels over
 1/`splits` of the inputs, `block_k` at a time: from 2 rows as a dot (rows padded to at
@@ -39,8 +38,8 @@ def _pick(n: int, sizes: tuple[int, ...]) -> int | None:
 
 def block_sizes(out_f: int, in_f: int, rows: int = 2) -> tuple[int, int, int] | None:
     """(block_n, block_k, splits) for an [out_f, in_f] weight at `rows` rows, or None when
-    no block of at least 16 divides it. One row reads longer blocks of inputs (on an H100
-    64 x 256 read a row at 0.99 of the copy rate where 64 x 128 reached 0.45)."""
+    no block of at least 16 divides it. One row reads longer blocks of inputs (the faster
+    block at one row in docs/performance.md, "Weights read in place on an H100")."""
     block_n = _pick(out_f, (64, 32, 16))
     block_k = _pick(in_f, (256, 128, 64, 32, 16) if rows == 1 else (128, 64, 32, 16))
     if block_n is None or block_k is None:

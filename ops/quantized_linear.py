@@ -113,10 +113,10 @@ def row_sums(x: jax.Array, w, out_dtype=None) -> jax.Array:
     """x [T, I] times a float or quantized [O, I] weight as a multiply and a sum over the
     inputs in float32, not a dot: XLA:GPU fuses the weight's slice out of the layer stack
     and its dequantization into one pass over the stored values, where it copies the slice
-    (and converts a quantized one) whole before a cuBLAS dot. A GPU runs one row so: on an
-    H200 per-channel int8 read in place beat the dot at one row (0.048 against 0.138 ms a
-    4096 x 14336 layer) and lost to it by far at 64 rows (ops.bench_quantization;
-    docs/performance.md, "GPU bring-up on an H200, and int8 weights there")."""
+    (and converts a quantized one) whole before a cuBLAS dot. A GPU runs one row so; from
+    a few rows up the sums lose to a dot by far (ops.bench_quantization; docs/performance.md,
+    "GPU bring-up on an H200, and int8 weights there", "Weights read in place on an
+    H100")."""
     if isinstance(w, dict):
         wf = dequantize(w["q"], w["scale"], w.get("min"), dtype=jnp.float32)
     else:

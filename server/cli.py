@@ -116,6 +116,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch each step before reading the previous one's tokens (the "
                         "outputs are the same; default: on)")
+    p.add_argument("--native-kernels", choices=("auto", "off"), default="auto",
+                   help="xlaserve's CPU kernels (matmuls of a few rows, attention): auto "
+                        "builds them where it can (XLASERVE_NATIVE_KERNELS=0 turns them off), "
+                        "off runs XLA's matmuls and the reference attention")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's numbers do not depend on what shares its steps, so a "
                         "seeded request samples the same tokens alone or under load (CPU; "
@@ -319,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
             max_waiting_requests=args.max_waiting_requests, seed=args.seed,
             async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant,
+            native_kernels=args.native_kernels,
             layer_loop=args.layer_loop, load_format=args.load_format,
             generation_config=args.generation_config,
             generation_overrides=args.override_generation_config)

@@ -204,3 +204,34 @@ def test_models_decode_alike_with_and_without_the_kernel(family, tmp_path):
     assert tokens_on == tokens_off
     np.testing.assert_allclose(logits_on, logits_off, rtol=0,
                                atol=1e-4 * np.abs(logits_off).max())
+
+
+def test_native_kernels_off_is_an_engine_flag(tmp_path):
+    """EngineConfig.native_kernels "off" (--native-kernels off) turns the kernels off in its
+    process before the engine loads its model: XLA's matmuls and the reference attention
+    run, and the engine still generates."""
+    code = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from pathlib import Path\n"
+        "from tiny_models import save_tiny_hf\n"
+        "from engine.config import EngineConfig\n"
+        "from engine.llm_engine import LLMEngine\n"
+        "from engine.sampling_params import SamplingParams\n"
+        "from flax import nnx\n"
+        "from ops import native\n"
+        f"path = save_tiny_hf(Path({str(tmp_path)!r}), family='llama')\n"
+        "engine = LLMEngine(EngineConfig(model=str(path), dtype='float32', max_model_len=64,\n"
+        "    max_num_seqs=2, max_num_batched_tokens=16, block_size=8,\n"
+        "    native_kernels='off'), detokenize=False)\n"
+        "assert not native.available() and native.reason() == '--native-kernels off'\n"
+        "model = nnx.merge(engine.runner.graphdef, engine.runner.state)\n"
+        "assert model.attention_backend == 'reference' and not model.native_matmuls\n"
+        "out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4,\n"
+        "    ignore_eos=True))\n"
+        "assert len(out[0].outputs[0].token_ids) == 4\n"
+        "print('off and generating')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "off and generating" in done.stdout

@@ -7,7 +7,8 @@ when it runs), and `attention.cc`, ragged paged attention over the KV pool
 machine's own CPU (`-march=native`) into one library in the user cache, keyed by the
 sources, the compiler, the CPU's features and jaxlib's FFI headers, then registered with
 XLA. Where it cannot be built (no compiler, a CPU without AVX-512 VNNI) or is
-turned off (`XLASERVE_NATIVE_KERNELS=0`), `available()` is False, the reason is logged
+turned off (`--native-kernels off`, `turn_off`; XLASERVE_NATIVE_KERNELS=0 makes that the
+default), `available()` is False, the reason is logged
 once, and the pure-XLA paths run instead (XLA's dot, the reference attention): same
 results up to float summation order.
 
@@ -137,6 +138,15 @@ def available() -> bool:
         if not _state:
             _state.update(_load())
         return "library" in _state
+
+
+def turn_off(why: str) -> None:
+    """Leave the kernels off in this process from now on (`--native-kernels off`): models
+    loaded after this run XLA's matmuls and the reference attention, as with
+    XLASERVE_NATIVE_KERNELS=0; a model loaded before keeps what it compiled."""
+    with _lock:
+        _state.clear()
+        _state["reason"] = why
 
 
 def reason() -> str | None:
