@@ -3,12 +3,13 @@
 
 XLA's persistent compilation cache is keyed by the lowered module, so a warm start still
 traces and lowers every executable of the table before it can look one up: on the 2-core
-CPU that was ~0.3 s an executable, most of a warm warmup. This store keys each executable
-by what decides it instead, all known before tracing: the jax/jaxlib versions, the platform
-and devices, XLA flags, the source of the packages that build the step (`engine`, `models`,
-`ops`), the model's graph definition (its config and attention backend), the abstract
-shapes, dtypes and shardings of the parameters and KV pages, the engine limits that shape
-the step's inputs, and the bucket. A hit is a deserialization (~20 ms); anything unreadable
+CPU that was most of a warm warmup (docs/performance.md, "Warm start and the lone decode").
+This store keys each executable by what decides it instead, all known before tracing: the
+jax/jaxlib versions, the platform and devices, XLA flags, the source of the packages that
+build the step (`engine`, `models`, `ops`), the model's graph definition (its config and
+attention backend), the abstract shapes, dtypes and shardings of the parameters and KV
+pages, the engine limits that shape the step's inputs, and the bucket. A hit is a
+deserialization, much cheaper than tracing and lowering (same section); anything unreadable
 or stale is compiled afresh and rewritten.
 
 What is stored must be a fresh compile: an executable that XLA's persistent cache handed

@@ -35,13 +35,14 @@ def resolve_kv_dtype(name: str, compute_dtype, platform: str | None = None):
     the default backend's). `auto`: float16 on CPU (half the bytes of float32 to hold and to
     read; llama.cpp's default too), the compute dtype elsewhere. bfloat16 pages are refused
     on CPU: XLA:CPU has no native bfloat16 scatter or gather and converts the whole pool to
-    float32 and back for each layer's write (a 1,025-page pool: 3.5 s a step instead of
-    0.1 ms; reads 10x slower), while float16 runs natively (attention 20% faster than
-    float32, docs/performance.md). int8 pages (53% of float16's bytes at head_dim 64) passed
-    parity (top-1 agreement 0.989) and beat float32 at 64 streams on the 2-core CPU, but
-    ran ~1% slower than float16 and lose a little accuracy; the default pool is sized
-    by a budget either way, so `auto` stays float16 and int8 is the smallest-footprint
-    choice."""
+    float32 and back for each layer's write (with a 1,025-page pool the write took far longer
+    than in float32, and attention was much slower too), while float16 runs natively
+    (attention faster than float32; docs/performance.md, "KV pages in float16 and a KV
+    budget: the default server's memory"). int8 pages (53% of float16's bytes at head_dim 64)
+    passed parity and beat float32 at 64 streams on the 2-core CPU, but ran slightly slower
+    than float16 and lose a little accuracy (docs/performance.md, "int8 KV pages"); the
+    default pool is sized by a budget either way, so `auto` stays float16 and int8 is the
+    smallest-footprint choice."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype {name!r}; choose from "
                          f"{', '.join(KV_CACHE_DTYPES)}")

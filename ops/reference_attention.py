@@ -47,23 +47,25 @@ def ref_ragged_paged_attention(
        (the engine puts sequences with history first), each reading its rows' pages
        `block_kv` keys at a time up to the block's longest history. Neither loop's trip count
        depends on the page table's width or the page pool. Small blocks measured fastest on
-       the 2-core CPU (a 64-row decode at 192 keys, SmolLM2 heads: 4.8 ms a layer at 16 rows
-       x 64 keys, 10.7 ms at 64 x 256): the gathered K/V of a block stay in cache. Blocks
-       of 64 keys were also the fastest at 2 to 8 rows (30 layers of an 8-row decode at
-       192 keys: 11.7 ms against 14.2 with 128). A lone decode takes 128 keys a block, since
-       each trip of the loop has a fixed cost; but a block reads all its keys however few
-       are real: 30 layers at 80 keys ran in 1.1 ms with 128-key blocks against 3.7 ms with
-       512, and at 1,024 to 2,000 keys the two were within 10%. For a lone row the scores
-       are laid out [Hkv, n, G] so that the keys are the left operand of both dots (30
-       layers at 1,024 keys: 5.4 against 6.6 ms); at more rows that layout was slower.
+       the 2-core CPU (a 64-row decode in 16-row x 64-key blocks against one 64 x 256 block):
+       the gathered K/V of a block stay in cache (docs/performance.md, "The step costs what
+       the work costs"). Blocks of 64 keys were also faster than 128 at 2 to 8 rows, and for
+       a lone row the scores are laid out [Hkv, n, G] so that the keys are the left operand
+       of both dots, which measured faster at 1,024 keys; at more rows that layout was
+       slower (docs/performance.md, "A lone decode's output projection, and where a 64-row
+       decode step goes"). A lone decode takes 128 keys a block, since each trip of the loop
+       has a fixed cost; but a block reads all its keys however few are real: at 80 keys
+       128-key blocks ran much faster than 512-key ones, and at 1,024 to 2,000 keys the two
+       were close (measured on the 2-core CPU; docs/performance.md).
 
     The running output is kept normalized (divided by its softmax sum after each block) and
     flat, [T, H * D], so what leaves the loops is the very matrix the output projection
     reads. XLA:CPU computes a one-row matmul as a loop into which it fuses the elementwise
     producers of the row, reshapes included: an output divided after the loop, or reshaped
     from [T, Hkv, G, D], was recomputed with index arithmetic for every weight row, and a
-    lone decode's output projection took 200 us a layer instead of 47 (c=1: 27 -> 22 ms
-    a token; docs/performance.md).
+    lone decode's output projection ran much slower than the query projection of the same
+    shape, which showed in the time a token at c=1 (docs/performance.md, "A lone decode's
+    output projection, and where a 64-row decode step goes").
     """
     check_inputs(q, cache, md)
     num_tokens, num_heads, head_dim = q.shape

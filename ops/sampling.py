@@ -7,12 +7,15 @@ v1: penalties -> (greedy rows take the argmax here) -> temperature -> min-p -> t
 top-p -> draw; logprobs are the log-softmax of the raw logits (vLLM's default
 `raw_logprobs`).
 
-Costs at S=64, V=49152 on the 2-core development CPU (a plain jnp.argmax there: ~15 ms;
-this whole call for greedy rows: ~3 ms): no filter sorts the vocabulary (a sort of that
-shape takes ~550 ms there); each is a per-row logit cutoff. Top-k and top-p read theirs off
-the 64 best tokens (one lax.top_k, ~7 ms) and fall back to an exact 32-step bisection
-(~30 ms) only when some row needs more. The draw is an inverse CDF with ONE uniform per row
-(a Gumbel draw needs S*V random numbers, ~40 ms there), over block masses then one block.
+Costs at S=64, V=49152 on the 2-core development CPU: this whole call for greedy rows costs
+less than a plain jnp.argmax of the logits there (docs/performance.md, "Engine, offline
+bench"). No filter sorts the vocabulary (a sort of that shape costs far more than all of
+this); each is a per-row logit cutoff. Top-k and top-p read theirs off the 64 best tokens
+(one lax.top_k) and fall back to an exact 32-step bisection, costlier than the top_k, only
+when some row needs more. The draw is an inverse CDF with ONE uniform per row, over block
+masses then one block: a Gumbel draw needs S*V random numbers, which cost more there than
+the whole greedy call (the sort, top_k, bisection and Gumbel costs were measured on the
+2-core CPU; docs/performance.md).
 Penalties read per-slot tables the engine keeps on the device (`output_counts`, bumped by
 `count_sampled` after each draw; `prompt_mask`, set by `reset_slot` at admission), so no
 token lists travel per step. Work no row asks for is skipped by a `lax.cond` on a batch-wide
@@ -110,8 +113,8 @@ def _blocks(x: jax.Array, fill: float) -> jax.Array:
 
 def _argmax(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """First index of the row maximum, and the maximum: [S] i32, [S, 1] f32. Two levels
-    (block maxima, then one block): XLA:CPU's flat argmax takes ~15 ms at [64, 49152], this
-    ~1 ms."""
+    (block maxima, then one block): XLA:CPU's flat argmax at [64, 49152] is much slower than
+    this (docs/performance.md, "Engine, offline bench")."""
     blocks = _blocks(x, -jnp.inf)                                              # [S, B, D]
     block_max = jnp.max(blocks, axis=-1)                                       # [S, B]
     b = jnp.argmax(block_max, axis=-1)
@@ -183,10 +186,11 @@ def _top_k_top_p(x: jax.Array, x_max: jax.Array, md: SamplingMetadata) -> jax.Ar
     """[S, 1] logit cutoff: keeping x >= cutoff applies top-k, then top-p over the
     renormalised survivors of top-k and min-p. Ties at the cutoff are all kept.
 
-    Both cutoffs are read off the CANDIDATES best tokens (one lax.top_k, ~5 ms at
-    [64, 49152] on CPU); a row whose top_k exceeds them or whose nucleus is wider falls back
-    to an exact bisection (~12-25 ms there) that runs only when such a row exists. Which
-    path a row takes depends on the row alone, so batch composition never changes its draw.
+    Both cutoffs are read off the CANDIDATES best tokens (one lax.top_k); a row whose top_k
+    exceeds them or whose nucleus is wider falls back to an exact bisection, costlier than
+    the top_k at [64, 49152] on CPU (measured on the 2-core CPU; docs/performance.md), that
+    runs only when such a row exists. Which path a row takes depends on the row alone, so
+    batch composition never changes its draw.
     The cutoff is a logit, not a weight, so that the caller's recomputed weights cannot
     disagree with it by a rounding.
     """
@@ -239,8 +243,9 @@ def _draw(x: jax.Array, weights_of: Callable[[jax.Array], jax.Array],
           u: jax.Array) -> jax.Array:
     """Inverse CDF: [S] index drawn with one uniform u ([S]) per row from the weights
     `weights_of(x)` (elementwise, any [S, ...] shape) of x ([S, V]). Two levels (block
-    masses, then one block) because a full [64, 49152] cumsum takes ~10 ms on CPU and this
-    ~1 ms; the weights are recomputed for the chosen block rather than materialised."""
+    masses, then one block) because a full [64, 49152] cumsum is much slower on CPU than this
+    (measured on the 2-core CPU; docs/performance.md); the weights are recomputed for the
+    chosen block rather than materialised."""
     blocks = _blocks(x, -jnp.inf)                                              # [S, B, D]
     mass = jnp.sum(weights_of(blocks), axis=-1)                                # [S, B]
     cdf = jnp.cumsum(mass, axis=-1)
