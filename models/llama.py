@@ -27,7 +27,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.parameters import ParamSpec, init_param, quantized_specs, vocab_matrix, weight
+from models.parameters import (
+    ParamSpec,
+    init_param,
+    quantized_specs,
+    vocab_matrix,
+    weight,
+    whole_matrices,
+)
 from models.rope import apply_rope, rope_inv_freq
 from models.smoothing import record
 from ops.attention import AttentionMetadata, ragged_paged_attention, resolve_backend
@@ -169,15 +176,10 @@ class Llama(nnx.Module):
         # Quantized weight-only matmuls of a few float32 rows run in xlaserve's CPU kernel
         # (ops/native) on one CPU device; elsewhere XLA's dot.
         self.native_matmuls = runs_native(dtype, quant or {}, sharded=mesh is not None)
-        # How the layers loop (the engine sets it from --layer-loop). Scanned by default:
-        # compile time does not grow with depth. Unrolled, each layer's weights are sliced at
-        # a constant index, which XLA:GPU reads in place where it copies a float slice at a
-        # loop index whole before its cuBLAS product; but Llama-3-8B's unrolled engine took
-        # minutes to compile (docs/performance.md).
+        # How the layers loop (the engine sets both from --layer-loop; see the module
+        # docstring): unrolled (`unrolls_layers`), or scanned with float and per-channel int8
+        # matrices handed whole to ops/pallas_gpu_matmul (`stacks_float_products`).
         self.unroll_layers = False
-        # Scanned, float and per-channel int8 matrices handed to their products as the stack
-        # and the layer index (`stacks_float_products`), read in place by
-        # ops/pallas_gpu_matmul from 2 rows up.
         self.stacked_kernel = False
         # --batch-invariant: our CPU kernels at every row count, and attention that never cuts
         # a lone decode over the threads, so a row's numbers do not depend on its batch
@@ -262,31 +264,18 @@ class Llama(nnx.Module):
         return jax.lax.scan(lambda c, idx: (fn(c, idx), None), carry, layer_ids)[0]
 
     def layer_params(self, stack: dict, idx) -> dict:
-        """Layer `idx`'s parameters from the stacked ones: each sliced, except quantized
-        matrices under the CPU kernel, which get the whole stack and the index
-        (ops.quantized_linear.stacked)."""
-        kernel = self.stacked_kernel and not isinstance(idx, int)
-        matrices = ({n for n in stack if n + "_scale" in stack} if self.native_matmuls else
-                    {n for n in stack if self._channel_int8(stack, n)} if kernel else set())
-        parts = {n + suffix for n in matrices for suffix in ("_scale", "_min")}
-        quant_parts = {n + suffix for n in stack if n + "_scale" in stack
-                       for suffix in ("_scale", "_min")}
-        floats = ({n for n, a in stack.items() if a.ndim == 3 and n + "_scale" not in stack
-                   and n not in quant_parts} if kernel else ())
+        """Layer `idx`'s parameters from the stacked ones: each sliced, except the matrices
+        that go whole with the index (`whole_matrices`: quantized ones under the CPU kernel;
+        float and per-channel int8 ones under `stacked_kernel`, scanned)."""
+        whole = whole_matrices(stack, native=self.native_matmuls,
+                               kernel=self.stacked_kernel and not isinstance(idx, int),
+                               int8_activations=self.int8_activations)
+        parts = {n + suffix for n in whole for suffix in ("_scale", "_min")}
         take = ((lambda a: a[idx]) if isinstance(idx, int)  # unrolled: a constant slice
                 else (lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, False)))
-        p = {n: take(a) for n, a in stack.items()
-             if n not in matrices and n not in parts and n not in floats}
-        p.update({n: stacked(weight(stack, n), idx) for n in matrices})
-        p.update({n: stacked(stack[n], idx) for n in floats})
+        p = {n: take(a) for n, a in stack.items() if n not in whole and n not in parts}
+        p.update({n: stacked(weight(stack, n), idx) for n in whole})
         return p
-
-    def _channel_int8(self, stack: dict, name: str) -> bool:
-        """Whether stacked matrix `name` is weight-only per-channel int8, which
-        ops/pallas_gpu_matmul reads out of the stack (`stacked_kernel`)."""
-        scale = stack.get(name + "_scale")
-        return (scale is not None and not self.int8_activations and scale.shape[-1] == 1
-                and stack[name].dtype == jnp.int8 and name + "_min" not in stack)
 
     # ---- the steps a family may override -----------------------------------------------
 

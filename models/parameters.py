@@ -69,6 +69,21 @@ def init_param(spec: ParamSpec, key, dtype):
     return (0.02 * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
 
 
+def whole_matrices(stack: dict, *, native: bool, kernel: bool,
+                   int8_activations: bool) -> set[str]:
+    """The stacked matrices whose products take the whole stack and the layer index
+    (ops.quantized_linear.stacked) instead of a slice: every quantized one under the CPU
+    kernel (`native`); under ops/pallas_gpu_matmul (`kernel`) the float ones and the
+    weight-only per-channel int8 ones (the rest are sliced)."""
+    quantized = {n for n in stack if n + "_scale" in stack}
+    if native or not kernel:
+        return quantized if native else set()
+    parts = {n + suffix for n in quantized for suffix in ("_scale", "_min")}
+    floats = {n for n, a in stack.items() if a.ndim == 3 and n not in quantized | parts}
+    return floats | {n for n in quantized if not int8_activations and n + "_min" not in stack
+                     and stack[n].dtype == jnp.int8 and stack[n + "_scale"].shape[-1] == 1}
+
+
 def weight(params: dict, name: str):
     """A matrix as `linear` takes it: the float array, or its quantized parts."""
     if name + "_scale" not in params:
