@@ -10,7 +10,7 @@ import functools
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "w8a8")
 # The --kv-cache-dtype choices: ops.kv_cache.KV_CACHE_DTYPES (held equal by a test too).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
-# The --layer-loop choices (models.llama.unrolls_layers, stacks_float_products); auto is
+# The --layer-loop choices (models.llama.unrolls_layers, stacks_products); auto is
 # scan-pallas on one GPU, scan elsewhere.
 LAYER_LOOPS = ("auto", "scan", "unroll", "scan-pallas")
 # Decodes of up to this many sequences run body and head as one executable: a lone decode

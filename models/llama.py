@@ -69,9 +69,10 @@ class _Stack(nnx.Module):
             setattr(self, name, p)
 
 
-def stacks_float_products(layer_loop: str, mesh) -> bool:
-    """Whether float matrices reach their products as the whole stack and the layer index
-    (ops/pallas_gpu_matmul): `--layer-loop scan-pallas`, and `auto` on a GPU; one device."""
+def stacks_products(layer_loop: str, mesh) -> bool:
+    """Whether float and per-channel int8 matrices reach their products as the whole stack
+    and the layer index (ops/pallas_gpu_matmul): `--layer-loop scan-pallas`, and `auto` on a
+    GPU; one device."""
     wanted = layer_loop == "scan-pallas" or (layer_loop == "auto"
                                              and jax.default_backend() == "gpu")
     return wanted and mesh is None
@@ -178,7 +179,7 @@ class Llama(nnx.Module):
         self.native_matmuls = runs_native(dtype, quant or {}, sharded=mesh is not None)
         # How the layers loop (the engine sets both from --layer-loop; see the module
         # docstring): unrolled (`unrolls_layers`), or scanned with float and per-channel int8
-        # matrices handed whole to ops/pallas_gpu_matmul (`stacks_float_products`).
+        # matrices handed whole to ops/pallas_gpu_matmul (`stacks_products`).
         self.unroll_layers = False
         self.stacked_kernel = False
         # --batch-invariant: our CPU kernels at every row count, and attention that never cuts

@@ -76,8 +76,10 @@ def whole_matrices(stack: dict, *, native: bool, kernel: bool,
     kernel (`native`); under ops/pallas_gpu_matmul (`kernel`) the float ones and the
     weight-only per-channel int8 ones (the rest are sliced)."""
     quantized = {n for n in stack if n + "_scale" in stack}
-    if native or not kernel:
-        return quantized if native else set()
+    if native:
+        return quantized
+    if not kernel:
+        return set()
     parts = {n + suffix for n in quantized for suffix in ("_scale", "_min")}
     floats = {n for n, a in stack.items() if a.ndim == 3 and n not in quantized | parts}
     return floats | {n for n in quantized if not int8_activations and n + "_min" not in stack

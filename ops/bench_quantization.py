@@ -36,7 +36,7 @@ from ops.quantization import QuantFormat, dequantize, held_bytes, quantize
 from ops.quantized_linear import linear, row_sums
 
 FORMATS = {"float": None, "int8": QuantFormat(8, 0), "int4": QuantFormat(4, 32, has_min=True),
-           # candidates: `reduce_linear` at any row count, and float weights so
+           # candidates: `row_sums` (one row on a GPU) at any row count
            "int8-reduce": QuantFormat(8, 0), "float-reduce": None,
            # float and per-channel int8 weights through ops/pallas_gpu_matmul (the stack and
            # the layer index)
@@ -59,13 +59,6 @@ def make_weights(fmt: QuantFormat | None, layers: int, out_f: int, in_f: int, dt
         parts = quantize(w, fmt, xp=jnp)
         return parts | {"q": parts["q"].astype(fmt.storage_dtype())}
     return jax.jit(init)(jax.random.key(seed))
-
-
-def reduce_linear(x: jax.Array, w) -> jax.Array:
-    """Any format as `linear` runs one row on a GPU (`row_sums`: a multiply and a sum, which
-    XLA fuses with a slice at the loop index where it copies the slice before a cuBLAS dot),
-    at any row count."""
-    return row_sums(x, w)
 
 
 def pallas_linear(options: str = ""):
@@ -142,7 +135,7 @@ def run(name, rows, layout, args, dtype, ceilings) -> dict:
     fmt = FORMATS[base]
     w = make_weights(fmt, args.layers, args.out_features, args.in_features, dtype, args.seed)
     x = jax.random.normal(jax.random.key(args.seed + 1), (rows, args.in_features), dtype)
-    product = (reduce_linear if base.endswith("-reduce") else
+    product = (row_sums if base.endswith("-reduce") else
                pallas_linear(options) if base.endswith("-pallas") else linear)
     fn = jax.jit(lambda x, w: layer_loop(x, w, layout, product))
     arg = ([jax.tree.map(lambda a, i=i: a[i], w) for i in range(args.layers)]

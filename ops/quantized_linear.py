@@ -66,21 +66,20 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
     `native`: run xlaserve's CPU kernel where it serves (`native_fits`); `any_rows`: at any
     number of rows (--batch-invariant), not only up to NATIVE_MAX_ROWS."""
     dot = lambda a, b: jnp.dot(a, b.T, preferred_element_type=out_dtype)
-    if isinstance(w, dict) and "stack" in w:  # a float matrix's whole stack (`stacked`)
-        if x.shape[0] > 1 and pallas_gpu_matmul.fits(x, w["stack"]):
-            return pallas_gpu_matmul.stacked_matmul(x, w["stack"], w["layer"], out_dtype)
-        w = jax.lax.dynamic_index_in_dim(w["stack"], w["layer"], 0, False)
-    if (not native and not int8_activations and x.shape[0] > 1 and isinstance(w, dict)
-            and "layer" in w and "min" not in w
-            and pallas_gpu_matmul.fits(x, w["q"], w["scale"])):  # per-channel int8's stack
-        return pallas_gpu_matmul.stacked_matmul(x, w["q"], w["layer"], out_dtype,
-                                                scale=w["scale"])
+    if isinstance(w, dict) and "layer" in w and not native and x.shape[0] > 1:
+        # A float or per-channel int8 stack (`stacked`): ops/pallas_gpu_matmul reads the layer
+        # in place where it takes the shapes.
+        stack, scale = w.get("stack", w.get("q")), w.get("scale")
+        if "min" not in w and pallas_gpu_matmul.fits(x, stack, scale):
+            return pallas_gpu_matmul.stacked_matmul(x, stack, w["layer"], out_dtype,
+                                                    scale=scale)
     if native and native_fits(x, w, any_rows):
         y = native_linear(x, w)
         return y if out_dtype is None else y.astype(out_dtype)
     if isinstance(w, dict) and "layer" in w:
         w = {k: jax.lax.dynamic_index_in_dim(a, w["layer"], 0, False)
              for k, a in w.items() if k != "layer"}
+        w = w.get("stack", w)  # a float matrix's slice
     if int8_activations:
         return _linear_w8a8(x, w, out_dtype or x.dtype)
     if x.shape[0] == 1 and reduces_one_row():

@@ -149,12 +149,12 @@ def test_stacked_products_equal_the_scan(tiny, quantization):
 def test_auto_layer_loop_hands_float_products_the_stack_on_one_gpu(monkeypatch):
     from models import llama
     assert EngineConfig(model="m").layer_loop == "auto"
-    assert not llama.stacks_float_products("auto", None)  # this CPU: the plain scan
-    assert llama.stacks_float_products("scan-pallas", None)
+    assert not llama.stacks_products("auto", None)  # this CPU: the plain scan
+    assert llama.stacks_products("scan-pallas", None)
     monkeypatch.setattr(llama.jax, "default_backend", lambda: "gpu")
-    assert llama.stacks_float_products("auto", None)
-    assert not llama.stacks_float_products("auto", object())  # a mesh: XLA's products
-    assert not llama.stacks_float_products("scan", None)
+    assert llama.stacks_products("auto", None)
+    assert not llama.stacks_products("auto", object())  # a mesh: XLA's products
+    assert not llama.stacks_products("scan", None)
     assert not llama.unrolls_layers("auto", False)
 
 
