@@ -41,7 +41,7 @@ import numpy as np
 
 from engine.bench_ceilings import dense_seconds, measure_ceilings, read_bandwidth, weight_copies
 from engine.bench_simulated import SimulatedRunner
-from engine.config import LAYER_LOOPS, EngineConfig
+from engine.config import LAYER_LOOPS, NATIVE_KERNELS, EngineConfig
 from engine.device import size_kv
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
                    help="overlap each step with the host work of the one before (default: on)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="rows computed alike in any batch (EngineConfig.batch_invariant)")
-    p.add_argument("--native-kernels", choices=("auto", "off"), default="auto",
+    p.add_argument("--native-kernels", choices=NATIVE_KERNELS, default="auto",
                    help="our CPU kernels, or off (EngineConfig.native_kernels)")
     p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
                    help="auto, scan, unroll or scan-pallas (EngineConfig.layer_loop)")

@@ -13,6 +13,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 # The --layer-loop choices (models.llama.unrolls_layers, stacks_products); auto is
 # scan-pallas on one GPU, scan elsewhere.
 LAYER_LOOPS = ("auto", "scan", "unroll", "scan-pallas")
+# The --native-kernels choices (EngineConfig.native_kernels).
+NATIVE_KERNELS = ("auto", "off")
 # Decodes of up to this many sequences run body and head as one executable: a lone decode
 # saves ~0.5-1 ms a token with it (2-core CPU), 8 sequences nothing measurable, and each
 # fused executable holds ~30 MiB more (docs/performance.md).
@@ -117,8 +119,9 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
-        if self.native_kernels not in ("auto", "off"):
-            raise ValueError(f"native_kernels must be auto or off, got {self.native_kernels!r}")
+        if self.native_kernels not in NATIVE_KERNELS:
+            raise ValueError(f"native_kernels must be one of {', '.join(NATIVE_KERNELS)}, "
+                             f"got {self.native_kernels!r}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, "
                              f"got {self.layer_loop!r}")

@@ -18,7 +18,13 @@ from pathlib import Path
 
 import uvicorn
 
-from engine.config import KV_CACHE_DTYPES, LAYER_LOOPS, QUANTIZATION_CHOICES, parse_bytes
+from engine.config import (
+    KV_CACHE_DTYPES,
+    LAYER_LOOPS,
+    NATIVE_KERNELS,
+    QUANTIZATION_CHOICES,
+    parse_bytes,
+)
 from engine.launch import parse_model_arg, start_engines
 from server.app import BODY_READ_TIMEOUT, MAX_BODY_BYTES, MAX_HEADERS, build_app
 from server.connections import with_deadlines
@@ -116,7 +122,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch each step before reading the previous one's tokens (the "
                         "outputs are the same; default: on)")
-    p.add_argument("--native-kernels", choices=("auto", "off"), default="auto",
+    p.add_argument("--native-kernels", choices=NATIVE_KERNELS, default="auto",
                    help="xlaserve's CPU kernels (matmuls of a few rows, attention): auto "
                         "builds them where it can (XLASERVE_NATIVE_KERNELS=0 turns them off), "
                         "off runs XLA's matmuls and the reference attention")
