@@ -95,7 +95,7 @@ class EngineConfig:
     # place only at a constant index, but compiles for minutes on an 8B model), or scanned
     # with float and per-channel int8 products of 2-128 rows in ops/pallas_gpu_matmul, which
     # reads the layer out of the stack in place (one GPU; auto's choice there, measured in
-    # docs/performance.md, "Weights read in place on an H100").
+    # docs/performance-log.md, "Weights read in place on an H100").
     layer_loop: str = "auto"
     # xlaserve's CPU kernels (ops/native): "auto" builds and uses them where they can be
     # built, unless XLASERVE_NATIVE_KERNELS=0; "off" leaves them off in this process (XLA's

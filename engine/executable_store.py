@@ -3,7 +3,7 @@
 
 XLA's persistent compilation cache is keyed by the lowered module, so a warm start still
 traces and lowers every executable of the table before it can look one up: on the 2-core
-CPU that was most of a warm warmup (docs/performance.md, "Warm start and the lone decode").
+CPU that was most of a warm warmup (docs/performance-log.md, "Warm start and the lone decode").
 This store keys each executable by what decides it instead, all known before tracing: the
 jax/jaxlib versions, the platform and devices, XLA flags, the source of the packages that
 build the step (`engine`, `models`, `ops`), the model's graph definition (its config and

@@ -54,7 +54,7 @@ BATCH_INVARIANT_CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 def compile_workers() -> int:
     """Executables the warmup compiles at once: two (XLA compiles one largely on one thread).
     Eight at a time on an H200's 16-core host did not shorten it: Llama-3-8B's 19 executables
-    took longer than in an earlier run with two (docs/performance.md, "The roofline issue's
+    took longer than in an earlier run with two (docs/performance-log.md, "The roofline issue's
     first GPU run: unrolled layers too slow to compile, int8 at 4.6 ms")."""
     return min(2, os.cpu_count() or 1)
 
@@ -249,7 +249,7 @@ class StepTable:
     def _compile_in_child(self, buckets: list[tuple[str, int]]) -> None:
         """Compile `buckets` into the executable store in a child process (engine/compile_child.py):
         what XLA's compiler allocates stays with the process that ran it (glibc keeps it: a
-        large part of a first start's resident memory on the 2-core CPU; docs/performance.md,
+        large part of a first start's resident memory on the 2-core CPU; docs/performance-log.md,
         "KV pages in float16 and a KV budget: the default server's memory"), and a child's
         goes back when it exits. On any failure this process compiles them itself."""
         logger.info("Compiling %d executables in a child process.", len(buckets))

@@ -37,10 +37,10 @@ def resolve_kv_dtype(name: str, compute_dtype, platform: str | None = None):
     on CPU: XLA:CPU has no native bfloat16 scatter or gather and converts the whole pool to
     float32 and back for each layer's write (with a 1,025-page pool the write took far longer
     than in float32, and attention was much slower too), while float16 runs natively
-    (attention faster than float32; docs/performance.md, "KV pages in float16 and a KV
+    (attention faster than float32; docs/performance-log.md, "KV pages in float16 and a KV
     budget: the default server's memory"). int8 pages (53% of float16's bytes at head_dim 64)
     passed parity and beat float32 at 64 streams on the 2-core CPU, but ran slightly slower
-    than float16 and lose a little accuracy (docs/performance.md, "int8 KV pages"); the
+    than float16 and lose a little accuracy (docs/performance-log.md, "int8 KV pages"); the
     default pool is sized by a budget either way, so `auto` stays float16 and int8 is the
     smallest-footprint choice."""
     if name not in KV_CACHE_DTYPES:

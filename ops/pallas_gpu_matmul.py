@@ -4,7 +4,7 @@ weights and per-channel int8 ones (`scale`, converted in the read and applied to
 
 Why: the model scans its layers over stacked weights [L, O, I], and XLA:GPU copies each
 layer's [O, I] slice out of the stack before its cuBLAS product, three passes over the
-bytes where one would do (docs/performance.md, "Weights read in place on an H100", has
+bytes where one would do (docs/performance-log.md, "Weights read in place on an H100", has
 the times). At one row a multiply and a sum also reads in place
 (ops/quantized_linear.row_sums); from a few rows up a dot is needed, and this kernel takes
 the whole stack and the layer index, so nothing is copied.
@@ -39,7 +39,7 @@ def _pick(n: int, sizes: tuple[int, ...]) -> int | None:
 def block_sizes(out_f: int, in_f: int, rows: int = 2) -> tuple[int, int, int] | None:
     """(block_n, block_k, splits) for an [out_f, in_f] weight at `rows` rows, or None when
     no block of at least 16 divides it. One row reads longer blocks of inputs (the faster
-    block at one row in docs/performance.md, "Weights read in place on an H100")."""
+    block at one row in docs/performance-log.md, "Weights read in place on an H100")."""
     block_n = _pick(out_f, (64, 32, 16))
     block_k = _pick(in_f, (256, 128, 64, 32, 16) if rows == 1 else (128, 64, 32, 16))
     if block_n is None or block_k is None:

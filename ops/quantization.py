@@ -19,7 +19,7 @@ its 4-bit matrices are packed two values a byte (`pack`). Without the kernel (no
 compiler, no AVX-512 VNNI, --native-kernels off, a mesh, or bfloat16 activations),
 4-bit values are held one per int8 on CPU: XLA:CPU does not fuse the unpacking of two values
 from a byte into its matrix-vector product, and packed int4, or nibbles unpacked with shifts
-and masks, ran many times slower than int8 at one row (docs/performance.md, "The default
+and masks, ran many times slower than int8 at one row (docs/performance-log.md, "The default
 server runs its file's 4-bit weights"). Other platforms store packed int4 / uint4.
 """
 

@@ -113,7 +113,7 @@ def row_sums(x: jax.Array, w, out_dtype=None) -> jax.Array:
     inputs in float32, not a dot: XLA:GPU fuses the weight's slice out of the layer stack
     and its dequantization into one pass over the stored values, where it copies the slice
     (and converts a quantized one) whole before a cuBLAS dot. A GPU runs one row so; from
-    a few rows up the sums lose to a dot by far (ops.bench_quantization; docs/performance.md,
+    a few rows up the sums lose to a dot by far (ops.bench_quantization; docs/performance-log.md,
     "GPU bring-up on an H200, and int8 weights there", "Weights read in place on an
     H100")."""
     if isinstance(w, dict):
@@ -140,7 +140,7 @@ def _packed_linear(x: jax.Array, w: dict, out_dtype, chunked: bool) -> jax.Array
     """XLA's product with packed 4-bit values: the low and the high nibbles each dequantize
     elementwise to [O, I / 2] and meet the inputs they hold (the first and the last 16 of
     each block of 32), two dots summed. Interleaving the nibbles back into [O, I] first ran
-    slower at 16-64 rows (docs/performance.md, "A CPU kernel for quantized matmuls, and
+    slower at 16-64 rows (docs/performance-log.md, "A CPU kernel for quantized matmuls, and
     4-bit weights two a byte")."""
     rows_x, cols = x.shape
     halves = x.reshape(rows_x, cols // BLOCK, 2, BLOCK // 2)
@@ -166,7 +166,7 @@ def _packed_linear(x: jax.Array, w: dict, out_dtype, chunked: bool) -> jax.Array
 def stacked(w, layer) -> dict:
     """Layer `layer` of a stacked matrix as `linear` takes it, unsliced: a quantized one for
     the CPU kernel (a slice handed to a custom call would be copied first, a cost measured
-    in docs/performance.md, "A CPU kernel for quantized matmuls, and 4-bit weights two a
+    in docs/performance-log.md, "A CPU kernel for quantized matmuls, and 4-bit weights two a
     byte"), a float one ({"stack", "layer"}) or a per-channel int8 one for
     ops/pallas_gpu_matmul from 2 rows up. `linear` slices it where XLA runs."""
     if isinstance(w, dict):

@@ -48,11 +48,11 @@ def ref_ragged_paged_attention(
        `block_kv` keys at a time up to the block's longest history. Neither loop's trip count
        depends on the page table's width or the page pool. Small blocks measured fastest on
        the 2-core CPU (a 64-row decode in 16-row x 64-key blocks against one 64 x 256 block):
-       the gathered K/V of a block stay in cache (docs/performance.md, "The step costs what
+       the gathered K/V of a block stay in cache (docs/performance-log.md, "The step costs what
        the work costs"). Blocks of 64 keys were also faster than 128 at 2 to 8 rows, and for
        a lone row the scores are laid out [Hkv, n, G] so that the keys are the left operand
        of both dots, which measured faster at 1,024 keys; at more rows that layout was
-       slower (docs/performance.md, "A lone decode's output projection, and where a 64-row
+       slower (docs/performance-log.md, "A lone decode's output projection, and where a 64-row
        decode step goes"). A lone decode takes 128 keys a block, since each trip of the loop
        has a fixed cost; but a block reads all its keys however few are real: at 80 keys
        128-key blocks ran much faster than 512-key ones, and at 1,024 to 2,000 keys the two
@@ -64,7 +64,7 @@ def ref_ragged_paged_attention(
     producers of the row, reshapes included: an output divided after the loop, or reshaped
     from [T, Hkv, G, D], was recomputed with index arithmetic for every weight row, and a
     lone decode's output projection ran much slower than the query projection of the same
-    shape, which showed in the time a token at c=1 (docs/performance.md, "A lone decode's
+    shape, which showed in the time a token at c=1 (docs/performance-log.md, "A lone decode's
     output projection, and where a 64-row decode step goes").
     """
     check_inputs(q, cache, md)

@@ -8,7 +8,7 @@ top-p -> draw; logprobs are the log-softmax of the raw logits (vLLM's default
 `raw_logprobs`).
 
 Costs at S=64, V=49152 on the 2-core development CPU: this whole call for greedy rows costs
-less than a plain jnp.argmax of the logits there (docs/performance.md, "Engine, offline
+less than a plain jnp.argmax of the logits there (docs/performance-log.md, "Engine, offline
 bench"). No filter sorts the vocabulary (a sort of that shape costs far more than all of
 this); each is a per-row logit cutoff. Top-k and top-p read theirs off the 64 best tokens
 (one lax.top_k) and fall back to an exact 32-step bisection, costlier than the top_k, only
@@ -114,7 +114,7 @@ def _blocks(x: jax.Array, fill: float) -> jax.Array:
 def _argmax(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """First index of the row maximum, and the maximum: [S] i32, [S, 1] f32. Two levels
     (block maxima, then one block): XLA:CPU's flat argmax at [64, 49152] is much slower than
-    this (docs/performance.md, "Engine, offline bench")."""
+    this (docs/performance-log.md, "Engine, offline bench")."""
     blocks = _blocks(x, -jnp.inf)                                              # [S, B, D]
     block_max = jnp.max(blocks, axis=-1)                                       # [S, B]
     b = jnp.argmax(block_max, axis=-1)

@@ -16,7 +16,7 @@ from ops.quantized_linear import linears
 # as llama.cpp's Q8_0) and holds the rest, parameter `name + RARE`, in int4. Tokenizers list
 # their tokens most frequent first (BPE in merge order, SentencePiece by score), so the head's
 # error falls on tokens rarely predicted. What the split costs in agreement and bytes:
-# docs/performance.md, "int4's head: the frequent rows in 8 bits, the rest in 4".
+# docs/performance-log.md, "int4's head: the frequent rows in 8 bits, the rest in 4".
 FREQUENT_ROWS = 4096
 RARE = "_rare"
 

@@ -40,7 +40,7 @@ leaves no time for are reported as skipped):
 11. the default model's shape at batch 64.
 
 Writes DIR/gpu_check.json (everything) and DIR/gpu_check.md (the tables for
-docs/performance.md, and each of the GPU checks with its figure and bound). Exits non-zero
+docs/performance-log.md, and each of the GPU checks with its figure and bound). Exits non-zero
 when a step failed. The steps are in scripts/gpu_check_steps.py, the report and the checks in
 scripts/gpu_check_report.py.
 """

@@ -1,4 +1,4 @@
-"""The report of scripts/gpu_check.py: the tables for docs/performance.md (`markdown`) and the
+"""The report of scripts/gpu_check.py: the tables for docs/performance-log.md (`markdown`) and the
 GPU checks, each with its figure and bound (`checks`), from the steps' results."""
 
 from __future__ import annotations
