@@ -70,7 +70,10 @@ def executable_store_dir() -> str | None:
 _PACKAGES = ("engine", "models", "ops")
 _ROOT = Path(__file__).resolve().parents[1]
 
-MAX_CONFIGURATIONS = 32  # fingerprint directories kept; the least recently used go first
+# The store's size on disk: past it, the least recently used configurations' directories go
+# (a count of directories thrashed when more configurations than it took turns: each evicted
+# the next one wanted). One configuration of the default model on a CPU is 5-15 MB.
+MAX_BYTES = 4 << 30
 
 # EngineConfig fields that cannot change a compiled step (names, served limits, seeds).
 # Config fields that change no executable (the KV pool's size, however it was chosen, is in the
@@ -196,10 +199,28 @@ class ExecutableStore:
                 os.unlink(tmp)
 
     def _prune(self) -> None:
-        """Keep the MAX_CONFIGURATIONS most recently used fingerprints: every source change
-        or new engine configuration starts a directory, and nothing else removes them."""
+        """Keep the most recently used configurations within MAX_BYTES (this one always):
+        every source change or new engine configuration starts a directory, and nothing else
+        removes them."""
         root = self.directory.parent
-        entries = sorted((d for d in root.iterdir() if d.is_dir()),
-                         key=lambda d: d.stat().st_mtime, reverse=True)
-        for stale in entries[MAX_CONFIGURATIONS:]:
-            shutil.rmtree(stale, ignore_errors=True)
+        entries = sorted((d for d in root.iterdir() if d.is_dir() and d != self.directory),
+                         key=_mtime, reverse=True)
+        total = _size(self.directory)
+        for entry in entries:
+            total += _size(entry)
+            if total > MAX_BYTES:
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def _mtime(directory: Path) -> float:
+    try:
+        return directory.stat().st_mtime
+    except OSError:  # removed meanwhile by another process's prune
+        return 0.0
+
+
+def _size(directory: Path) -> int:
+    try:
+        return sum(f.stat().st_size for f in directory.iterdir())
+    except OSError:  # removed meanwhile by another process's prune
+        return 0

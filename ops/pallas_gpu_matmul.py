@@ -14,7 +14,7 @@ Each program multiplies the rows by one block of `block_n` output channels over
 least 16, Triton's smallest), one row as a multiply and a sum over each block. With
 several splits the partial sums (float32) are added after the kernel; they give a matrix
 of few output channels (Llama-3-8B's k and v projections: 1,024) enough programs to fill
-the GPU. Block sizes are first guesses, measured by `python -m ops.bench_quantization
+the GPU. Block sizes are first guesses, measured by `python -m engine.bench.quantization
 --formats float-pallas,int8-pallas` (and `@BNxBKxSPLITSxWARPSxSTAGES` variants).
 """
 

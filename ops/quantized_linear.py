@@ -113,7 +113,7 @@ def row_sums(x: jax.Array, w, out_dtype=None) -> jax.Array:
     inputs in float32, not a dot: XLA:GPU fuses the weight's slice out of the layer stack
     and its dequantization into one pass over the stored values, where it copies the slice
     (and converts a quantized one) whole before a cuBLAS dot. A GPU runs one row so; from
-    a few rows up the sums lose to a dot by far (ops.bench_quantization; docs/performance-log.md,
+    a few rows up the sums lose to a dot by far (engine.bench.quantization; docs/performance-log.md,
     "GPU bring-up on an H200, and int8 weights there", "Weights read in place on an
     H100")."""
     if isinstance(w, dict):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.bench_ceilings import measure_ceilings
+from engine.bench.ceilings import measure_ceilings
 from models.known_models import SERVED_NAME, fetch_default_model
 
 SERVERS = ("xlaserve", "llama-cpp-server", "llama-cpp-python")

@@ -15,7 +15,7 @@ leaves no time for are reported as skipped):
    `int4`: TPOT beside its floor (weight + KV bytes a step over the same run's read
    bandwidth, a sum over a 4 GiB array), ready time from an empty compile cache, and the
    count of whole layer matrices the compiled step copies or converts (0: read in place).
-3. `python -m ops.bench_quantization`: float, int8 and int4 matmuls of the 8B MLP's shape at
+3. `python -m engine.bench.quantization`: float, int8 and int4 matmuls of the 8B MLP's shape at
    1 and 64 rows, each layer's weights sliced as a scan does and at constant indices,
    float and int8 weights through ops/pallas_gpu_matmul too (two block shapes each), and
    whether XLA copied or converted a whole matrix.
@@ -35,7 +35,7 @@ leaves no time for are reported as skipped):
 9. kernel tests: the attention kernels over float16, bfloat16, fp8 and int8 KV pages, and
    tests/test_pallas_gpu_attention.py, compiled for the GPU (interpret mode and a subset
    under --smoke).
-10. `python -m ops.bench_attention`: our kernels against the reference and JAX's bundled
+10. `python -m engine.bench.attention`: our kernels against the reference and JAX's bundled
    kernel, with the copy and matmul ceilings of the same run.
 11. the default model's shape at batch 64.
 
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         # float and int8 weights through ops/pallas_gpu_matmul (the stack and the layer
         # index), each in two block shapes. At one row `linear` runs every format as a
         # multiply and a sum on a GPU.
-        cmd = [py, "-m", "ops.bench_quantization", "--output", str(out / "quant_bench.json"),
+        cmd = [py, "-m", "engine.bench.quantization", "--output", str(out / "quant_bench.json"),
                "--layouts", "stacked,unrolled", "--rows", "1,64", "--formats",
                "float,int8,int4,float-pallas,int8-pallas,float-pallas@32x512x0x4x3,"
                "int8-pallas@64x512x0x4x3"]
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         steps.append(run_step("kernel_tests", cmd, out, 300 if smoke else 60, env))
 
     if wanted("attention_bench"):
-        cmd = [py, "-m", "ops.bench_attention", "--output", str(out / "attention_bench.json")]
+        cmd = [py, "-m", "engine.bench.attention", "--output", str(out / "attention_bench.json")]
         cmd += (["--smoke", "--impls", "pallas-gpu,bundled-gpu,reference"] if smoke else
                 ["--batches", "1,64,256", "--contexts", "2048,8192", "--repeats", "10"])
         steps.append(run_step("attention_bench", cmd, out, 300 if smoke else 70))

@@ -67,7 +67,7 @@ def markdown(report: dict) -> str:
                   for what, figure, bound, ok in report["checks"]]
     quant = report.get("quant_summary")
     if quant:
-        lines += ["", f"ops.bench_quantization: [{quant['shape'][0]} -> {quant['shape'][1]}] x "
+        lines += ["", f"engine.bench.quantization: [{quant['shape'][0]} -> {quant['shape'][1]}] x "
                   f"{quant['layers']} layers, {quant['dtype']}; copy "
                   f"{quant['copy_bytes_per_s'] / 1e9:.0f} GB/s, matmul "
                   f"{quant['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s", "",
@@ -80,7 +80,7 @@ def markdown(report: dict) -> str:
                   for r in quant["rows"]]
     attn = report.get("attention_summary")
     if attn:
-        lines += ["", "ops.bench_attention (see attention_bench.log for every row):", "",
+        lines += ["", "engine.bench.attention (see attention_bench.log for every row):", "",
                   "| case | impl | time | copy fraction | ours x | rel err |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {r['case']} | {r['impl']} | {r['seconds'] * 1e3:.3f} ms | "

@@ -11,6 +11,12 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
+# Under xdist every worker has a core of its own: torch's OpenMP threads (the transformers
+# references) would otherwise spin on the other workers' cores (the parity test took twice
+# as long beside another module).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 
 # The modules that take minutes, in the order they start: workers take whole files in

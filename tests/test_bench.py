@@ -2,7 +2,7 @@
 
 import json
 
-from engine import bench
+from engine.bench import offline as bench
 
 
 def test_bench_runs_and_writes_json(tmp_path):

@@ -1,11 +1,11 @@
-"""`python -m ops.bench_attention --smoke`: every implementation runs on tiny shapes in
+"""`python -m engine.bench.attention --smoke`: every implementation runs on tiny shapes in
 interpret mode and agrees with the reference (no timing asserted)."""
 
 from __future__ import annotations
 
 import json
 
-from ops import bench_attention
+from engine.bench import attention as bench_attention
 
 
 def test_smoke_runs_every_implementation(tmp_path, capsys):

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from engine import bench_serve
+from engine.bench import serve as bench_serve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -214,6 +214,6 @@ def test_help_and_no_jax_at_import():
     cmd = [sys.executable, "-m", "engine.bench", "serve", "--help"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--max-concurrency" in proc.stdout
-    probe = "import sys, engine.bench_serve; assert 'jax' not in sys.modules"
+    probe = "import sys, engine.bench.serve; assert 'jax' not in sys.modules"
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, timeout=60)
     assert proc.returncode == 0

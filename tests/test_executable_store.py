@@ -79,20 +79,23 @@ def test_no_store_when_turned_off(default_gguf, monkeypatch):
     assert ModelRunner(_config(default_gguf)).store is None
 
 
-def test_old_configurations_are_pruned(default_gguf, store_dir, monkeypatch):
+def test_the_least_recently_used_configurations_go_past_the_size_cap(default_gguf, store_dir,
+                                                                        monkeypatch):
     import os
 
     from engine import executable_store
 
-    monkeypatch.setattr(executable_store, "MAX_CONFIGURATIONS", 2)
+    dirs = []
     for i, seqs in enumerate((1, 2, 4)):
+        if i == 2:  # room for the two before it and nothing more: the oldest goes
+            sizes = [sum(f.stat().st_size for f in d.iterdir()) for d in dirs]
+            monkeypatch.setattr(executable_store, "MAX_BYTES", sum(sizes) - 1)
         runner = ModelRunner(_config(default_gguf, max_num_seqs=seqs))
         runner.compile_bucket(("seqs", 1))
         os.utime(runner.store.directory, (1000 + i, 1000 + i))  # oldest first
-        if i == 0:
-            first = runner.store.directory
-    kept = [d for d in store_dir.iterdir() if d.is_dir()]
-    assert len(kept) == 2 and first not in kept
+        dirs.append(runner.store.directory)
+    kept = sorted(d for d in store_dir.iterdir() if d.is_dir())
+    assert kept == sorted(dirs[1:])
 
 
 def test_a_failed_child_leaves_the_compiling_here(default_gguf, store_dir, monkeypatch, caplog):

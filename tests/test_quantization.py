@@ -356,10 +356,10 @@ def test_random_weights_quantize_on_the_device(scheme, small_frequent_rows):
 
 
 def test_materialized_counts_written_matrices_not_a_fusions_insides():
-    """ops.bench_quantization.materialized (the kit's weight-copy count): a slice of the stack
+    """engine.bench.quantization.materialized (the kit's weight-copy count): a slice of the stack
     written by a fusion of the entry computation counts; the weight multiplied inside the
     fusion that sums it (one row on a GPU) writes nothing and does not."""
-    from ops.bench_quantization import materialized
+    from engine.bench.quantization import materialized
     from ops.quantized_linear import row_sums
     w, x = jnp.ones((3, 96, 64), jnp.float32), jnp.ones((1, 64), jnp.float32)
     f = jax.jit(lambda x, w, i: row_sums(x, jax.lax.dynamic_index_in_dim(w, i, 0, False)))

@@ -1,4 +1,4 @@
-"""Ragged paged attention benchmark: `python -m ops.bench_attention`.
+"""Ragged paged attention benchmark: `python -m engine.bench.attention`.
 
 Times the attention implementations on identical inputs (one layer's pages, random
 values, pages handed out in random order) for
@@ -242,7 +242,7 @@ def print_rows(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ops.bench_attention", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m engine.bench.attention", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes in interpret mode on CPU (a CI smoke test; no timing)")

@@ -9,7 +9,7 @@ definitions: TTFT (send -> first chunk with text), TPOT ((E2EL - TTFT) / (output
 requests with more than one output token), ITL (every gap between successive text chunks,
 all requests pooled), E2EL (send -> last text chunk), and request and token throughputs
 over the benchmark duration (first send -> last completion).
-This module imports no jax: only the optional machine ceilings (engine.bench_ceilings) do, lazily.
+This module imports no jax: only the optional machine ceilings (engine.bench.ceilings) do, lazily.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def summarize(args, requests: list[Request], results: list[Result], duration: fl
 
 def measure_best_ceilings(args, before: dict | None = None) -> dict:
     """Matmul rate and copy bandwidth of this machine; keeps the better of two readings."""
-    from engine.bench_ceilings import measure_ceilings  # imports jax
+    from engine.bench.ceilings import measure_ceilings  # imports jax
 
     m, k, n = (int(x) for x in args.ceiling_shape.split(","))
     now = measure_ceilings(args.ceiling_dtype, m, k, n)
@@ -339,7 +339,7 @@ def main(argv=None) -> int:
         with open(args.output, "w") as f:  # strict JSON, as vLLM writes it: "inf", not Infinity
             json.dump(inf_as_str(res | {"args": inf_as_str(res["args"])}), f, indent=2)
     if args.plot:
-        from engine.bench_plot import plot_latencies
+        from engine.bench.plot import plot_latencies
 
         plot_latencies(res, args.plot)
     if errors := [e for e in res["errors"] if e]:

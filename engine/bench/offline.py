@@ -39,8 +39,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from engine.bench_ceilings import dense_seconds, measure_ceilings, read_bandwidth, weight_copies
-from engine.bench_simulated import SimulatedRunner
+from engine.bench.ceilings import dense_seconds, measure_ceilings, read_bandwidth, weight_copies
+from engine.bench.simulated import SimulatedRunner
 from engine.config import LAYER_LOOPS, NATIVE_KERNELS, EngineConfig
 from engine.device import size_kv
 from engine.llm_engine import LLMEngine
@@ -228,10 +228,6 @@ def summarize(engine: LLMEngine, timings, duration: float, ceilings: dict) -> di
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["serve"]:
-        from engine import bench_serve
-
-        return bench_serve.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="GGUF file, HF directory or Orbax checkpoint, or a known "
                                    "model's name (default: the default model)")

@@ -53,8 +53,8 @@ def weight_copies(runner: ModelRunner) -> dict[str, int]:
     copied or converted before its product; views and constant slices write nothing): 0
     when every product reads its weights in place. By executable, for those whose optimized
     program can be read."""
+    from engine.bench.quantization import materialized
     from models.registry import param_specs
-    from ops.bench_quantization import materialized
 
     num_layers = runner.model_config.num_layers
     shapes = {tuple(a.shape[1:]) for a in runner.params

@@ -1,4 +1,4 @@
-"""Quantized matmul benchmark: `python -m ops.bench_quantization`.
+"""Quantized matmul benchmark: `python -m engine.bench.quantization`.
 
 Times `ops.quantized_linear.linear` as the model runs it off the CPU kernel (a loop over stacked
 layers, each layer's matrix sliced and multiplied), for the compute dtype's float weights,
@@ -12,7 +12,7 @@ dequantized (or copied) matrix: `materialized` means the conversion was not fuse
 dot, so the weight's bytes are read, written and read again (views: parameters and bitcasts
 are not counted).
 
-The question it answers (issue 14): does XLA fuse the dequantization into the dot on this
+The question it answers: does XLA fuse the dequantization into the dot on this
 device, and at which row counts does a quantized weight still pay? `--smoke` runs tiny
 shapes (CI); its times mean nothing.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from ops.bench_attention import measure_ceilings, rel_err, time_median
+from engine.bench.attention import measure_ceilings, rel_err, time_median
 from ops.pallas_gpu_matmul import stacked_matmul
 from ops.quantization import QuantFormat, dequantize, held_bytes, quantize
 from ops.quantized_linear import linear, row_sums
@@ -167,7 +167,8 @@ def run(name, rows, layout, args, dtype, ceilings) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m engine.bench.quantization",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--in-features", type=int, default=4096)
     ap.add_argument("--out-features", type=int, default=14336)
     ap.add_argument("--layers", type=int, default=None,
