@@ -9,6 +9,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ WEIGHT_ITEMSIZE = {"int8": 1, "int4": 0.5}
 
 
 _DEADLINE = [float("inf")]  # perf_counter time by which every step must be done (--deadline-s)
+MIN_STEP_SECONDS = 10  # a step left less time than this is skipped
 
 
 def _limit(timeout: float) -> float:
@@ -41,15 +43,24 @@ def run_step(name: str, cmd: list[str], out: Path, timeout: float, env=None) -> 
     log = out / f"{name}.log"
     start = time.perf_counter()
     timeout = _limit(timeout)
-    if timeout < 10:
+    if timeout < MIN_STEP_SECONDS:
         print(f"=== {name}: skipped, the deadline is near", flush=True)
         return {"name": name, "cmd": cmd, "rc": "no time left", "ok": False, "seconds": 0.0}
     print(f"=== {name}: {' '.join(cmd)}", flush=True)
+    # A step past its time limit gets SIGABRT first: with PYTHONFAULTHANDLER its every
+    # thread's stack goes to its log, so a step that hangs says where.
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
     with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=timeout, env={**os.environ, **(env or {})}).returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             rc = "timeout"
     seconds = time.perf_counter() - start
     tail = log.read_text(errors="replace").splitlines()[-15:]

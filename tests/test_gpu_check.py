@@ -78,3 +78,17 @@ def test_gpu_check_smoke(tmp_path):
     server = next(s for s in report["steps"] if s["name"] == "online")
     assert server["completion_tokens"] == 8 and server["stream_chunks"] >= 8
     assert "| engine_tiny_b8 |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_a_step_past_its_limit_leaves_its_stack_in_the_log(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_check_steps
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    monkeypatch.setattr(gpu_check_steps, "MIN_STEP_SECONDS", 0)
+    hang = "import threading; threading.Event().wait()"
+    step = gpu_check_steps.run_step("hang", [sys.executable, "-c", hang], tmp_path, timeout=5)
+    log = (tmp_path / "hang.log").read_text()
+    assert step["rc"] == "timeout" and not step["ok"]
+    assert "Fatal Python error: Aborted" in log and 'File "<string>", line 1' in log
