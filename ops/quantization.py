@@ -122,9 +122,10 @@ def quantize(w, fmt: QuantFormat, *, xp=np) -> dict:
         scale, lo, hi = blocks.max(-1) / 15, 0, 15
     elif fmt.bits == 8:
         scale, lo, hi = xp.abs(blocks).max(-1) / 127, -127, 127
-    else:
-        idx = xp.abs(blocks).argmax(-1)[..., None]
-        scale, lo, hi = xp.take_along_axis(blocks, idx, -1)[..., 0] / -8, -8, 7
+    else:  # the first value of largest magnitude, as llama.cpp picks it; a one-hot select
+        # rather than a gather (exact: one value summed with zeros)
+        first = xp.abs(blocks).argmax(-1)[..., None] == xp.arange(g)
+        scale, lo, hi = xp.where(first, blocks, 0).sum(-1) / -8, -8, 7
     scale = scale.astype(SCALE_DTYPE)  # the values are rounded against the stored scale
     with np.errstate(divide="ignore"):
         inv = xp.where(scale == 0, 0.0, 1.0 / scale.astype(xp.float32))

@@ -66,6 +66,21 @@ FORMATS = {
 }
 
 
+@pytest.mark.parametrize("xp", [np, jnp], ids=["numpy", "jax"])
+def test_int4_scale_is_the_first_value_of_largest_magnitude(xp):
+    """Symmetric int4 maps the group's value of largest magnitude to -8; between +a and -a
+    the first one wins, as in llama.cpp's Q4_0."""
+    w = np.zeros((2, 32), np.float32)
+    w[0, 3], w[0, 7] = 2.0, -2.0   # +2 first: scale -0.25
+    w[1, 3], w[1, 7] = -2.0, 2.0   # -2 first: scale 0.25
+    w[:, 10] = 1.0
+    parts = quantize(xp.asarray(w), QuantFormat(4, 32), xp=xp)
+    np.testing.assert_array_equal(np.asarray(parts["scale"], np.float32)[:, 0], [-0.25, 0.25])
+    q = np.asarray(parts["q"])
+    assert (q[0, 3], q[0, 7], q[0, 10]) == (-8, 7, -4)  # -2 / -0.25 = 8, clipped
+    assert (q[1, 3], q[1, 7], q[1, 10]) == (-8, 7, 4)
+
+
 @pytest.mark.parametrize("name", list(FORMATS))
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("blocks", [1, 4])
