@@ -10,8 +10,8 @@ import functools
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "w8a8")
 # The --kv-cache-dtype choices: ops.kv_cache.KV_CACHE_DTYPES (held equal by a test too).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
-# The --layer-loop choices (models.llama.unrolls_layers, stacks_products); auto is
-# scan-pallas on one GPU, scan elsewhere.
+# The --layer-loop choices: models.llama.LAYER_LOOPS (held equal by a test; set_layer_loop
+# says what each does); auto is scan-pallas on one GPU, scan elsewhere.
 LAYER_LOOPS = ("auto", "scan", "unroll", "scan-pallas")
 # The --native-kernels choices (EngineConfig.native_kernels).
 NATIVE_KERNELS = ("auto", "off")
@@ -90,7 +90,7 @@ class EngineConfig:
     # default: on the 2-core CPU it cost ~40% of the throughput at 64 streams and ~70% of the
     # time to first token at one (docs/performance.md).
     batch_invariant: bool = False
-    # How the model loops over its layers (LAYER_LOOPS, models.llama.unrolls_layers): scanned
+    # How the model loops over its layers (LAYER_LOOPS, models.llama.set_layer_loop): scanned
     # (compile time flat in depth), unrolled (XLA:GPU reads each layer's float weights in
     # place only at a constant index, but compiles for minutes on an 8B model), or scanned
     # with float and per-channel int8 products of 2-128 rows in ops/pallas_gpu_matmul, which

@@ -35,7 +35,7 @@ from engine.config import EngineConfig
 from engine.executable_store import executable_store_dir
 from engine.grammar import mask_words
 from engine.step_table import StepTable
-from models.llama import stacks_products, unrolls_layers
+from models.llama import set_layer_loop
 from models.loader import (
     describe_quant,
     load_config,
@@ -129,8 +129,7 @@ class ModelRunner(StepTable):
         self.dtype = model.dtype
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         model.batch_invariant = config.batch_invariant
-        model.unroll_layers = unrolls_layers(config.layer_loop, model.native_matmuls)
-        model.stacked_kernel = stacks_products(config.layer_loop, model.mesh)
+        set_layer_loop(model, config.layer_loop)
         self.graphdef, self.state = nnx.split(model)
         # Steps take the parameters as a flat list: a list flattens in the dispatcher's C++,
         # an nnx.State through Python callbacks, per leaf, at every call.

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.llama import Llama
+from models.llama import LAYER_LOOPS, Llama, set_layer_loop
 from models.sharding import kv_cache_sharding
 from ops.attention import AttentionMetadata
 from ops.kv_cache import KVCache, kv_storage_dtype
@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     parser.add_argument("--quantization", choices=CHOICES, default="auto",
                         help="weight-only quantization, as the server's (ops/quantization.py)")
+    parser.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
+                        help="how the layers loop, as the server's --layer-loop")
     args = parser.parse_args(argv)
 
     path = model_arg(args.model)
@@ -124,8 +126,9 @@ def main(argv=None) -> int:
         text = ChatTemplate.for_tokenizer(tokenizer).render(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True)
         ids = tokenizer.encode(text, add_special_tokens=False)
-    decoder = GreedyDecoder(load_model(path, dtype=args.dtype, quantization=args.quantization),
-                            max_len=len(ids) + args.max_tokens)
+    model = load_model(path, dtype=args.dtype, quantization=args.quantization)
+    set_layer_loop(model, args.layer_loop)
+    decoder = GreedyDecoder(model, max_len=len(ids) + args.max_tokens)
     detok = IncrementalDetokenizer(tokenizer, prompt_ids=ids)
     cache = decoder.new_cache()
     logits, cache = decoder.run(cache, ids, 0)

@@ -69,20 +69,21 @@ class _Stack(nnx.Module):
             setattr(self, name, p)
 
 
-def stacks_products(layer_loop: str, mesh) -> bool:
-    """Whether float and per-channel int8 matrices reach their products as the whole stack
-    and the layer index (ops/pallas_gpu_matmul): `--layer-loop scan-pallas`, and `auto` on a
-    GPU; one device."""
-    wanted = layer_loop == "scan-pallas" or (layer_loop == "auto"
-                                             and jax.default_backend() == "gpu")
-    return wanted and mesh is None
+# The engine's --layer-loop choices (engine.config.LAYER_LOOPS, held equal by a test).
+LAYER_LOOPS = ("auto", "scan", "unroll", "scan-pallas")
 
 
-def unrolls_layers(layer_loop: str, native_matmuls: bool) -> bool:
-    """Whether the layers run unrolled for `layer_loop` (the engine's --layer-loop: only
-    `unroll` unrolls). The CPU kernel's quantized products take the stack and the layer index,
-    so under it the loop stays a scan."""
-    return layer_loop == "unroll" and not native_matmuls
+def set_layer_loop(model: Llama, layer_loop: str) -> None:
+    """How `model`'s layers loop, for the engine's --layer-loop: `unroll` unrolls them (not
+    under the CPU kernel, whose quantized products take the stack and the layer index);
+    `scan-pallas`, and `auto` on a GPU, scan them and hand float and per-channel int8
+    matrices whole with the layer index to ops/pallas_gpu_matmul (one device); otherwise a
+    plain scan."""
+    if layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, got {layer_loop!r}")
+    model.unroll_layers = layer_loop == "unroll" and not model.native_matmuls
+    model.stacked_kernel = model.mesh is None and (
+        layer_loop == "scan-pallas" or (layer_loop == "auto" and jax.default_backend() == "gpu"))
 
 
 class Llama(nnx.Module):
@@ -177,9 +178,9 @@ class Llama(nnx.Module):
         # Quantized weight-only matmuls of a few float32 rows run in xlaserve's CPU kernel
         # (ops/native) on one CPU device; elsewhere XLA's dot.
         self.native_matmuls = runs_native(dtype, quant or {}, sharded=mesh is not None)
-        # How the layers loop (the engine sets both from --layer-loop; see the module
-        # docstring): unrolled (`unrolls_layers`), or scanned with float and per-channel int8
-        # matrices handed whole to ops/pallas_gpu_matmul (`stacks_products`).
+        # How the layers loop (`set_layer_loop`, from --layer-loop; see the module docstring):
+        # unrolled, or scanned with float and per-channel int8 matrices handed whole to
+        # ops/pallas_gpu_matmul.
         self.unroll_layers = False
         self.stacked_kernel = False
         # --batch-invariant: our CPU kernels at every row count, and attention that never cuts

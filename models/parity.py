@@ -45,6 +45,7 @@ import numpy as np
 from models.chat_template import ChatTemplate
 from models.generate import GreedyDecoder
 from models.known_models import model_arg
+from models.llama import LAYER_LOOPS, set_layer_loop
 from models.loader import load_model, model_format
 from models.tokenizer import Tokenizer
 from ops.quantization import SCHEMES
@@ -299,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-agreement", type=float,
                         help="with --quantization, --kv-cache-dtype or --dtype: fail if the "
                              "mean top-1 agreement is below")
+    parser.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
+                        help="how the layers loop, as the server's --layer-loop (auto: the "
+                             "Pallas product of a layer read in place on one GPU)")
     parser.add_argument("--save-reference", metavar="FILE",
                         help="write the reference's greedy token ids per prompt to FILE "
                              "(JSON) and stop, without loading our model")
@@ -342,6 +346,7 @@ def main(argv=None) -> int:
     longest = max(len(p) for p in prompts) + args.max_tokens
     dtype = args.dtype or "float32"
     model = load_model(args.model, dtype=dtype, quantization=args.quantization or "none")
+    set_layer_loop(model, args.layer_loop)
     decoder = GreedyDecoder(model, max_len=longest, kv_dtype=args.kv_cache_dtype)
     if args.reference:
         references = [(tokens, None) for tokens in saved]
@@ -351,7 +356,8 @@ def main(argv=None) -> int:
             return check_greedy(decoder, ref_model, prompts, args.max_tokens)
         references = (reference_greedy(ref_model, p, args.max_tokens) for p in prompts)
     settings = {"dtype": dtype, "quantization": args.quantization,
-                "kv_cache_dtype": args.kv_cache_dtype}
+                "kv_cache_dtype": args.kv_cache_dtype, "layer_loop": args.layer_loop,
+                "pallas_products": model.stacked_kernel}
     return check_agreement(decoder, prompts, references, args.min_agreement, settings)
 
 

@@ -11,6 +11,7 @@ checkpoints in test_tensor_parallel.py.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -147,15 +148,26 @@ def test_stacked_products_equal_the_scan(tiny, quantization):
 
 
 def test_auto_layer_loop_hands_float_products_the_stack_on_one_gpu(monkeypatch):
+    from engine.config import LAYER_LOOPS
     from models import llama
-    assert EngineConfig(model="m").layer_loop == "auto"
-    assert not llama.stacks_products("auto", None)  # this CPU: the plain scan
-    assert llama.stacks_products("scan-pallas", None)
+    assert EngineConfig(model="m").layer_loop == "auto" and LAYER_LOOPS == llama.LAYER_LOOPS
+    model = types.SimpleNamespace(mesh=None, native_matmuls=False)
+
+    def loop(layer_loop):
+        llama.set_layer_loop(model, layer_loop)
+        return model.unroll_layers, model.stacked_kernel
+
+    assert loop("auto") == (False, False)  # this CPU: the plain scan
+    assert loop("scan-pallas") == (False, True)
+    assert loop("unroll") == (True, False)
     monkeypatch.setattr(llama.jax, "default_backend", lambda: "gpu")
-    assert llama.stacks_products("auto", None)
-    assert not llama.stacks_products("auto", object())  # a mesh: XLA's products
-    assert not llama.stacks_products("scan", None)
-    assert not llama.unrolls_layers("auto", False)
+    assert loop("auto") == (False, True) and loop("scan") == (False, False)
+    model.mesh = object()  # a mesh: XLA's products
+    assert loop("auto") == (False, False)
+    model.native_matmuls = True  # the CPU kernel takes the stack itself
+    assert loop("unroll") == (False, False)
+    with pytest.raises(ValueError, match="layer_loop"):
+        llama.set_layer_loop(model, "spiral")
 
 
 def test_every_layer_loop_gives_the_engine_the_same_tokens(tmp_path):

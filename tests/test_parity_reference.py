@@ -93,6 +93,14 @@ def test_saved_reference_gives_the_live_agreement(tiny, prompts, tmp_path, capsy
     bf16 = parity_line(capsys.readouterr().out)
     assert dtypes == ["bfloat16"] and bf16["dtype"] == "bfloat16"
     assert 0.5 <= bf16["agreement"] <= 1.0 and bf16["positions"] == positions
+    assert from_file["layer_loop"] == "auto" and not from_file["pallas_products"]  # a CPU
+
+    # --layer-loop as the server's: the Pallas product of a layer read in place (interpreted
+    # here) agrees with the float32 reference as the plain scan does.
+    assert main([*argv, "--dtype", "float32", "--reference", str(saved),
+                 "--layer-loop", "scan-pallas"]) == 0
+    pallas = parity_line(capsys.readouterr().out)
+    assert pallas["pallas_products"] and pallas["agreement"] == 1.0
 
 
 def write_reference(path, prompt_ids, max_tokens=MAX_TOKENS, tokens=None):
