@@ -44,3 +44,10 @@ def test_every_engine_module_is_named_by_the_jax_contract():
     assert not kept_off & ENGINE_JAX_MODULES
     assert kept_off | ENGINE_JAX_MODULES == modules, "a new engine module: name it in one list"
     assert all(name in contract["name"] for name in ENGINE_JAX_MODULES)
+
+
+def test_the_long_modules_started_first_exist():
+    from conftest import LONG_MODULES
+
+    missing = [name for name in LONG_MODULES if not (ROOT / "tests" / name).exists()]
+    assert not missing, "renamed or removed: update tests/conftest.py's LONG_MODULES"
