@@ -70,9 +70,9 @@ def executable_store_dir() -> str | None:
 _PACKAGES = ("engine", "models", "ops")
 _ROOT = Path(__file__).resolve().parents[1]
 
-# The store's size on disk: past it, the least recently used configurations' directories go
-# (a count of directories thrashed when more configurations than it took turns: each evicted
-# the next one wanted). One configuration of the default model on a CPU is 5-15 MB.
+# The store's size on disk: past it, the least recently used configurations' directories go.
+# One configuration of the default model on a CPU is 1-15 MB; a size, not a count, is what a
+# user's disk notices.
 MAX_BYTES = 4 << 30
 
 # EngineConfig fields that cannot change a compiled step (names, served limits, seeds).
