@@ -27,7 +27,8 @@ leaves no time for are reported as skipped):
    offline engine's TPOT (step 2) and tokens a second (step 4).
 6. with --parity-model: `python -m models.parity` in bfloat16 against a saved transformers
    reference (`--save-reference`, made on a CPU machine), and a greedy chat through
-   `python -m server` serving that model on the device.
+   `python -m server` serving that model on the device; `--parity-model` and
+   `--parity-reference` may be given again for more models (parity only, steps `parity_2`...).
 7. the engine bench for the default model's shape (smollm2-135m) at batch 1: TPOT beside
    its matmuls alone (`dense_t1`); then again with the layer loop inside the step's command
    buffer (XLA_FLAGS `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`).
@@ -78,11 +79,17 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-s", type=float, default=560,
                     help="every step ends by then (the device tool stops a call at 600 s); "
                          "steps past it are reported as skipped")
-    ap.add_argument("--parity-model", help="a real model (GGUF file or HF directory) for the "
-                    "parity and greedy-server steps; without it they are left out")
-    ap.add_argument("--parity-reference", help="its transformers reference, saved with "
-                    "`python -m models.parity --save-reference` (else transformers runs here)")
+    ap.add_argument("--parity-model", action="append", default=[],
+                    help="a real model (GGUF file or HF directory) for the parity and "
+                    "greedy-server steps; without it they are left out; again for more models "
+                    "(parity only)")
+    ap.add_argument("--parity-reference", action="append", default=[],
+                    help="its transformers reference, saved with `python -m models.parity "
+                    "--save-reference` (else transformers runs here); one per --parity-model, "
+                    "in their order")
     args = ap.parse_args(argv)
+    if len(args.parity_reference) > len(args.parity_model):
+        ap.error("more --parity-reference than --parity-model")
     set_deadline(args.deadline_s)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -135,11 +142,14 @@ def main(argv=None) -> int:
             offline["result"]["args"] = json.loads(path.read_text())["args"]
     if wanted("online"):
         steps.append(online(out, big, dtype, offline, 300 if smoke else 150, smoke))
-    if args.parity_model and wanted("parity"):
-        steps.append(parity(out, args.parity_model, args.parity_reference, dtype,
-                            300 if smoke else 60))
-    if args.parity_model and wanted("real_server"):
-        steps.append(real_server(out, args.parity_model, dtype, 300 if smoke else 60, smoke))
+    references = args.parity_reference + [None] * (len(args.parity_model)
+                                                   - len(args.parity_reference))
+    for i, (model, reference) in enumerate(zip(args.parity_model, references, strict=True)):
+        if wanted("parity"):
+            steps.append(parity(out, model, reference, dtype, 300 if smoke else 60,
+                                name="parity" if i == 0 else f"parity_{i + 1}"))
+        if i == 0 and wanted("real_server"):
+            steps.append(real_server(out, model, dtype, 300 if smoke else 60, smoke))
     if not smoke and wanted("engine_smollm2_135m_b1"):
         steps.append(engine_bench("engine_smollm2_135m_b1", "smollm2-135m", dtype, 1, out, 50,
                                   smoke))

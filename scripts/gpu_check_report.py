@@ -3,6 +3,8 @@ GPU checks, each with its figure and bound (`checks`), from the steps' results."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def markdown(report: dict) -> str:
     env = report["environment"]
@@ -51,12 +53,12 @@ def markdown(report: dict) -> str:
             r = net[key]
             lines.append(f"| {key[1:]} | {r['median_tpot_ms']:.2f} | {r['median_ttft_ms']:.1f} | "
                          f"{r['output_throughput']:.1f} | {r['completed']} |")
-    par = next((s for s in report["steps"] if s["name"] == "parity"), None)
-    if par and par.get("result"):
+    for par in (s for s in report["steps"] if _is_parity(s["name"]) and s.get("result")):
         r = par["result"]
-        lines += ["", f"Parity ({r.get('dtype')} on {r.get('backend')}): top-1 agreement "
-                  f"{r['agreement']:.4f} over {r.get('positions')} positions of "
-                  f"{r.get('prompts')} prompts."]
+        lines += ["", f"Parity of {Path(par['cmd'][par['cmd'].index('--model') + 1]).name} "
+                  f"({r.get('dtype')} on {r.get('backend')}, Pallas products: "
+                  f"{r.get('pallas_products')}): top-1 agreement {r['agreement']:.4f} over "
+                  f"{r.get('positions')} positions of {r.get('prompts')} prompts."]
     real = next((s for s in report["steps"] if s["name"] == "real_server"), None)
     if real and real.get("answer") is not None:
         lines += ["", f"Greedy chat through the server (ready in {real['ready_s']:.1f} s): "
@@ -90,7 +92,7 @@ def markdown(report: dict) -> str:
 
 
 def checks(report: dict) -> list[tuple[str, float | None, str, bool | None]]:
-    """The GPU checks of the roofline issue: (what, figure, bound, passed), from this run."""
+    """The GPU checks: (what, figure, bound, passed), from this run."""
     steps = {s["name"]: s for s in report["steps"]}
     result = lambda name: steps.get(name, {}).get("result") or {}
     big = report["big"]
@@ -144,7 +146,12 @@ def checks(report: dict) -> list[tuple[str, float | None, str, bool | None]]:
     if net.get("ready_s"):
         check("server ready, warm (from the store), s", net["ready_s"], "<= 15",
               net["ready_s"] <= 15)
-    agreement = (steps.get("parity", {}).get("result") or {}).get("agreement")
-    if agreement is not None:
-        check("parity: top-1 agreement", agreement, ">= 0.98", agreement >= 0.98)
+    for name, step in steps.items():
+        agreement = (step.get("result") or {}).get("agreement") if _is_parity(name) else None
+        if agreement is not None:
+            check(f"{name}: top-1 agreement", agreement, ">= 0.98", agreement >= 0.98)
     return rows
+
+
+def _is_parity(name: str) -> bool:
+    return name == "parity" or name.startswith("parity_")

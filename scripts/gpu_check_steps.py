@@ -298,7 +298,8 @@ def online(out: Path, preset: str, dtype: str, offline: dict, timeout: float,
         shutil.rmtree(model, ignore_errors=True)
 
 
-def parity(out: Path, model: str, reference: str | None, dtype: str, timeout: float) -> dict:
+def parity(out: Path, model: str, reference: str | None, dtype: str, timeout: float,
+           name: str = "parity") -> dict:
     """`python -m models.parity` on a real model in `dtype` (teacher-forced top-1 agreement
     with transformers' greedy tokens, from a saved reference where given)."""
     cmd = [sys.executable, "-m", "models.parity", "--model", model, "--prompts",
@@ -306,8 +307,8 @@ def parity(out: Path, model: str, reference: str | None, dtype: str, timeout: fl
            "--min-agreement", "0.98"]
     if reference:
         cmd += ["--reference", reference]
-    step = run_step("parity", cmd, out, timeout)
-    for line in (out / "parity.log").read_text(errors="replace").splitlines():
+    step = run_step(name, cmd, out, timeout)
+    for line in (out / f"{name}.log").read_text(errors="replace").splitlines():
         if line.startswith("PARITY "):
             step["result"] = json.loads(line.removeprefix("PARITY "))
     return step

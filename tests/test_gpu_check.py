@@ -92,3 +92,29 @@ def test_a_step_past_its_limit_leaves_its_stack_in_the_log(tmp_path, monkeypatch
     log = (tmp_path / "hang.log").read_text()
     assert step["rc"] == "timeout" and not step["ok"]
     assert "Fatal Python error: Aborted" in log and 'File "<string>", line 1' in log
+
+
+def test_the_report_covers_every_parity_model(capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_check
+        import gpu_check_report
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+    def parity(name, model, agreement):
+        return {"name": name, "ok": agreement >= 0.98, "seconds": 1.0, "rc": 0,
+                "cmd": ["python", "-m", "models.parity", "--model", model],
+                "result": {"agreement": agreement, "dtype": "bfloat16", "backend": "gpu",
+                           "positions": 320, "prompts": 10, "pallas_products": True}}
+
+    report = {"environment": {"devices": [{"kind": "H100"}]}, "smoke": False, "big": "x",
+              "batch": 64, "steps": [parity("parity", "/tmp/SmolLM2.gguf", 0.99),
+                                     parity("parity_2", "/tmp/gemma-3-270m.gguf", 0.97)]}
+    text = gpu_check_report.markdown(report)
+    assert "Parity of SmolLM2.gguf" in text and "Parity of gemma-3-270m.gguf" in text
+    got = {what: passed for what, _, _, passed in gpu_check_report.checks(report)}
+    assert got["parity: top-1 agreement"] and not got["parity_2: top-1 agreement"]
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", "x", "--parity-reference", "a.json"])
+    assert "more --parity-reference than --parity-model" in capsys.readouterr().err
