@@ -16,8 +16,9 @@ LAYER_LOOPS = ("auto", "scan", "unroll", "scan-pallas")
 # The --native-kernels choices (EngineConfig.native_kernels).
 NATIVE_KERNELS = ("auto", "off")
 # Decodes of up to this many sequences run body and head as one executable: a lone decode
-# saves ~0.5-1 ms a token with it (2-core CPU), 8 sequences nothing measurable, and each
-# fused executable holds ~30 MiB more (docs/performance.md).
+# saves the chained head's launch with it, a few sequences saved nothing measurable, and each
+# fused executable holds memory of its own (docs/performance-log.md, "A lone decode in one
+# executable").
 FUSED_MAX_SEQS = 1
 # A request's outputs wait on its stream until the consumer takes them (engine/request_stream.py).
 # Past STREAM_MAX_ITEMS waiting outputs a new delta merges into the last one, so a consumer
@@ -87,8 +88,8 @@ class EngineConfig:
     async_scheduling: bool = True
     # A row's numbers the same bits whatever shares its step, so a seeded request samples the
     # same tokens alone or under load (docs/architecture.md, "Batch-invariant rows"). Off by
-    # default: on the 2-core CPU it cost ~40% of the throughput at 64 streams and ~70% of the
-    # time to first token at one (docs/performance.md).
+    # default: it runs our integer kernel where XLA's float GEMM is faster, which costs
+    # throughput at many streams and time to first token (docs/serving.md has the figures).
     batch_invariant: bool = False
     # How the model loops over its layers (LAYER_LOOPS, models.llama.set_layer_loop): scanned
     # (compile time flat in depth), unrolled (XLA:GPU reads each layer's float weights in

@@ -43,9 +43,8 @@ from server.strict_json import InvalidJSON, parse_json
 MAX_BODY_BYTES = 8 << 20
 MAX_HEADERS = 100
 BODY_READ_TIMEOUT = 60.0  # seconds from a request's headers to the end of its body
-# Bodies above this are parsed and validated on a thread. Token ids are the slowest kind:
-# ~4 ms for 48 KB inline, ~60 ms per MB (2-core dev VM), so an 8 MiB body would hold the
-# loop for about half a second.
+# Bodies above this are parsed and validated on a thread, so that a large body (token ids
+# parse slowest) cannot hold the event loop, and every other stream, while it is read.
 PARSE_INLINE_BYTES = 64 << 10
 PARSE_THREADS = 2
 
