@@ -117,8 +117,9 @@ class StepBatch:
     """One step's inputs. The model body sees the token rows (T) and the attention metadata of
     `config.body_seqs(T)` sequences; the LM head and sampler see S sampling rows."""
 
-    bucket: tuple[int, int]        # (tokens T, sequences S)
-    num_seqs: int                  # real sequences (rows past it are padding)
+    bucket: tuple[int, int]        # (tokens T, head rows S)
+    num_rows: int                  # real head rows: one per sequence, one more per draft
+                                   # (rows past it are padding)
     body: np.ndarray               # int32 buffer, laid out by body_layout
     sampling_ints: np.ndarray      # [sum(INT_COLUMNS.values()), S] int32
     sampling_floats: np.ndarray    # [len(FLOAT_COLUMNS), S] float32
@@ -156,7 +157,7 @@ def empty_batch(config: EngineConfig, bucket: tuple[int, int]) -> StepBatch:
     body, ints, floats, layout = _template(config, bucket)
     body = body.copy()
     views = {name: body[start:end].reshape(shape) for name, start, end, shape in layout}
-    return StepBatch(bucket=bucket, num_seqs=0, body=body, sampling_ints=ints.copy(),
+    return StepBatch(bucket=bucket, num_rows=0, body=body, sampling_ints=ints.copy(),
                      sampling_floats=floats.copy(), views=views)
 
 
@@ -224,9 +225,9 @@ class InputBatch:
         the 64-bit seed of its sampling stream."""
         self._release_departed()
         cfg, entries = self.config, out.scheduled
-        num_seqs, num_tokens = len(entries), out.num_tokens
-        batch = empty_batch(cfg, cfg.bucket_for(num_tokens, num_seqs))
-        batch.num_seqs = num_seqs
+        num_seqs, num_tokens, num_rows = len(entries), out.num_tokens, out.num_rows
+        batch = empty_batch(cfg, cfg.bucket_for(num_tokens, num_rows))
+        batch.num_rows = num_rows
         if not entries:
             return batch
         v = batch.views
@@ -237,8 +238,11 @@ class InputBatch:
             slot = held[0] if held else self._admit(seq, seeds.get(seq.seq_id, 0), batch.resets)
             slots[i] = slot
             table, have = seq.block_table, self.num_blocks[slot]
-            if len(table) != have:  # tables only grow while a sequence holds its slot
+            if len(table) > have:
                 self.page_tables[slot, have:len(table)] = table[have:]
+                self.num_blocks[slot] = len(table)
+            elif len(table) < have:  # pages that held only rejected drafts were freed
+                self.page_tables[slot, len(table):have] = 0
                 self.num_blocks[slot] = len(table)
         n_new = np.fromiter((e.num_new_tokens for e in entries), np.int32, num_seqs)
         starts = np.fromiter((e.start for e in entries), np.int32, num_seqs)
@@ -265,20 +269,26 @@ class InputBatch:
         v["query_start_loc"][num_seqs + 1:] = num_tokens
         v["kv_lens"][:num_seqs] = starts + n_new
         v["page_tables"][:num_seqs] = self.page_tables[slots]
-        v["logits_indices"][:num_seqs] = ends - 1
 
-        # sampling rows: from the slots' columns; rows that sample nothing use the spare slot
-        rs = np.where(samples, slots, self.spare)
-        steps = starts + n_new - self.prompt_lens[rs]  # index of the token drawn this step
+        # head rows: an entry's last token, and before it one per draft (each row samples the
+        # token after its position); rows that sample nothing use the spare slot
+        per_entry = np.fromiter((e.num_rows for e in entries), np.int32, num_seqs)
+        entry_of = np.repeat(np.arange(num_seqs, dtype=np.int32), per_entry)
+        back = np.cumsum(per_entry)[entry_of] - 1 - np.arange(num_rows, dtype=np.int32)
+        v["logits_indices"][:num_rows] = ends[entry_of] - 1 - back
+        rs = np.where(samples, slots, self.spare)[entry_of]
+        # index of the token each row draws: the same key as a plain decode drawing it
+        steps = (starts + n_new)[entry_of] - back - self.prompt_lens[rs]
         ints, layout = batch.sampling_ints, sampling_layout()
-        batch.sampling_floats[:, :num_seqs] = self.floats[:, rs]
-        for name, col in (("top_k", self.top_k[rs]), ("steps", np.where(samples, steps, 0)),
+        batch.sampling_floats[:, :num_rows] = self.floats[:, rs]
+        for name, col in (("top_k", self.top_k[rs]),
+                          ("steps", np.where(samples[entry_of], steps, 0)),
                           ("num_top_logprobs", self.num_top_logprobs[rs]), ("slots", rs),
                           ("constrained", self.constrained[rs])):
-            ints[layout[name][0], :num_seqs] = col
+            ints[layout[name][0], :num_rows] = col
         r = layout["seeds"][0]
-        ints[r:r + 2, :num_seqs] = self.seeds[rs].view(np.int32).T
+        ints[r:r + 2, :num_rows] = self.seeds[rs].view(np.int32).T
         r = layout["banned_tokens"][0]
         early = (steps < self.min_tokens[rs])[:, None]
-        ints[r:r + MAX_BANNED, :num_seqs] = np.where(early, self.banned[rs], -1).T
+        ints[r:r + MAX_BANNED, :num_rows] = np.where(early, self.banned[rs], -1).T
         return batch

@@ -196,6 +196,17 @@ class BlockManager:
                                f"blocks, {len(self._free)} free")
         seq.block_table.extend(self._take_free_block() for _ in range(missing))
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past what seq's tokens need (after rejected drafts were dropped:
+        nothing in them was cached, see `mark_computed`)."""
+        while len(seq.block_table) > seq.num_blocks:
+            block = seq.block_table.pop()
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._uncache(block)
+                self._free[block] = None
+                self._free.move_to_end(block, last=False)
+
     # -- release ------------------------------------------------------------------------------
 
     def deallocate(self, seq: Sequence) -> None:

@@ -138,6 +138,7 @@ def encode_message(kind: str, value) -> bytes:
     -> a payload."""
     if kind == "runner":
         body = {f.name: getattr(value, f.name) for f in dataclasses.fields(EngineConfig)}
+        body["speculative"] = None  # drafting is the leader's: followers only run steps
     elif kind == "run":
         model, batch, fused = value
         body = {"model": model, "batch": _batch_fields(batch), "fused": fused}
@@ -185,7 +186,7 @@ _DECODERS = {"runner": _decode_config, "run": _decode_run, "failed": _decode_fai
 
 # ---- StepBatch ---------------------------------------------------------------------------
 
-_BATCH_FIELDS = {"bucket", "num_seqs", "body", "sampling_ints", "sampling_floats", "resets",
+_BATCH_FIELDS = {"bucket", "num_rows", "body", "sampling_ints", "sampling_floats", "resets",
                  "token_mask", "views"}
 
 
@@ -195,7 +196,7 @@ def _batch_fields(batch: StepBatch) -> dict:
     for name, view in batch.views.items():
         offset = _offset_in(batch.body, view)
         views[name] = view if offset is None else [offset, list(view.shape)]
-    return {"bucket": list(batch.bucket), "num_seqs": batch.num_seqs, "body": batch.body,
+    return {"bucket": list(batch.bucket), "num_rows": batch.num_rows, "body": batch.body,
             "sampling_ints": batch.sampling_ints, "sampling_floats": batch.sampling_floats,
             "resets": [list(r) for r in batch.resets],
             # the mask itself, not its maker (the leader has computed it already)
@@ -234,7 +235,7 @@ def _decode_batch(b) -> StepBatch:
         views[name] = view
     return StepBatch(
         bucket=(_typed(bucket[0], int), _typed(bucket[1], int)),
-        num_seqs=_typed(b["num_seqs"], int), body=body,
+        num_rows=_typed(b["num_rows"], int), body=body,
         sampling_ints=_array(b["sampling_ints"], "<i4", 2),
         sampling_floats=_array(b["sampling_floats"], "<f4", 2), resets=resets,
         token_mask=None if mask is None else functools.partial(np.asarray,

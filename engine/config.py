@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from engine.speculative import SpeculativeConfig
+
 # The --quantization choices: ops.quantization.CHOICES (this module imports no jax; a test
 # holds the two equal).
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "w8a8")
@@ -104,6 +106,8 @@ class EngineConfig:
     native_kernels: str = "auto"
     # "dummy": random weights of the model's shapes instead of its files (benchmarks).
     load_format: str = "auto"
+    # Speculative decoding by prompt lookup (engine/speculative.py); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
@@ -132,6 +136,9 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
+        if self.speculative is not None and not isinstance(self.speculative,
+                                                           SpeculativeConfig):
+            object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (page 0 is reserved), "
                              f"got {self.num_blocks}")

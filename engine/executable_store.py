@@ -80,7 +80,7 @@ MAX_BYTES = 4 << 30
 # KV cache's shape, which the key holds).
 _IRRELEVANT = {"model", "name", "max_waiting_requests", "seed", "enable_prefix_caching",
                "gpu_memory_utilization", "num_blocks",
-               "async_scheduling", "load_format"}
+               "async_scheduling", "load_format", "speculative"}
 
 
 def _code_digest() -> str:

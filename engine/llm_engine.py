@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import numbers
 import random
 import time
@@ -143,13 +144,15 @@ class LLMEngine:
         (the one dispatched before this one when steps overlap, else this one).
 
         While any request follows a grammar, steps do not overlap: its next mask needs the
-        token just sampled (the mask is still computed while the device runs the body)."""
-        overlap = self.async_scheduling and not self._matchers
+        token just sampled (the mask is still computed while the device runs the body). Nor
+        do steps that may draft (speculative decoding): drafts continue from the last token."""
+        speculate = self.scheduler.may_speculate()
+        overlap = self.async_scheduling and not self._matchers and not speculate
         outputs = []
         if not overlap and self._in_flight is not None:
             (previous, pending), self._in_flight = self._in_flight, None
             outputs = self._read(previous, pending)
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(speculate)
         launched = None
         if out.scheduled:
             for entry in out.scheduled:
@@ -175,32 +178,46 @@ class LLMEngine:
         result = pending.result()
         self.wait_s += time.perf_counter() - waited
         ended = {e.seq.seq_id for e in out.scheduled if e.seq.is_finished}  # while it ran
-        sampled = [int(result.token_ids[i]) if e.samples else None
-                   for i, e in enumerate(out.scheduled)]
+        first_rows = list(itertools.accumulate((e.num_rows for e in out.scheduled), initial=0))
+        ids = result.token_ids.tolist()
+        sampled = [ids[r:r + e.num_rows] if e.samples else None
+                   for r, e in zip(first_rows[:-1], out.scheduled, strict=True)]
         self.scheduler.postprocess(out, sampled)
         touched: dict[str, list[int]] = {}
-        for i, (entry, token) in enumerate(zip(out.scheduled, sampled, strict=True)):
-            if (token is None or entry.seq.seq_id in ended
+        for row, entry in zip(first_rows[:-1], out.scheduled, strict=True):
+            if (not entry.samples or entry.seq.seq_id in ended
                     or entry.seq.seq_id not in self._by_seq):
                 continue
             req, index = self._by_seq[entry.seq.seq_id]
-            text = req.texts[index]
-            logprob = None
-            if req.params.logprobs is not None:
-                n = req.params.logprobs
-                top = zip(result.top_ids[i][:n], result.top_logprobs[i][:n], strict=True)
-                logprob = TokenLogprob(token, float(result.logprobs[i]),
-                                       [(int(t), float(lp)) for t, lp in top])
-            stopped = text.add(token, logprob)
-            matcher = self._matchers.get(entry.seq.seq_id)
-            complete = not stopped and matcher is not None and advance(matcher, token)
-            if entry.seq.is_finished or complete:  # (a complete grammar: only the end may follow)
-                stopped |= text.finish() or complete
-            if stopped:
-                self.scheduler.finish(entry.seq, "stop")
-                entry.seq.finish_reason = "stop"
+            # the step's tokens: one, or the kept drafts and the one sampled after them (token j
+            # was drawn by the entry's head row j)
+            for j, token in enumerate(entry.new_tokens):
+                if self._add_token(req, index, entry, token, result, row + j,
+                                   last=j == len(entry.new_tokens) - 1):
+                    break
             touched.setdefault(req.request_id, []).append(index)
         return [self._output(self.requests[rid], idx) for rid, idx in touched.items()]
+
+    def _add_token(self, req: Request, index: int, entry, token: int, result, row: int,
+                   last: bool) -> bool:
+        """Hand one sampled token to its sequence's text and grammar; True when it ends the
+        sequence (the scheduler's stops end it at the step's last token)."""
+        text = req.texts[index]
+        logprob = None
+        if req.params.logprobs is not None:
+            n = req.params.logprobs
+            top = zip(result.top_ids[row][:n], result.top_logprobs[row][:n], strict=True)
+            logprob = TokenLogprob(token, float(result.logprobs[row]),
+                                   [(int(t), float(lp)) for t, lp in top])
+        stopped = text.add(token, logprob)
+        matcher = self._matchers.get(entry.seq.seq_id)
+        complete = not stopped and matcher is not None and advance(matcher, token)
+        if (last and entry.seq.is_finished) or complete:  # (complete: only the end may follow)
+            stopped |= text.finish() or complete
+        if stopped:
+            self.scheduler.finish(entry.seq, "stop")
+            entry.seq.finish_reason = "stop"
+        return stopped
 
     def _output(self, req: Request, changed: list[int]) -> RequestOutput:
         """The request's delta: what each changed sequence has new since its last output."""

@@ -67,21 +67,21 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 @dataclasses.dataclass
 class StepResult:
-    token_ids: np.ndarray     # [num_seqs] int32
-    logprobs: np.ndarray      # [num_seqs] float32, raw logprob of each sampled token
-    top_ids: np.ndarray       # [num_seqs, 20] int32
-    top_logprobs: np.ndarray  # [num_seqs, 20] float32
+    token_ids: np.ndarray     # [num_rows] int32 (a head row per sequence, one more per draft)
+    logprobs: np.ndarray      # [num_rows] float32, raw logprob of each sampled token
+    top_ids: np.ndarray       # [num_rows, 20] int32
+    top_logprobs: np.ndarray  # [num_rows, 20] float32
 
 
 class PendingStep:
     """A dispatched step; `result()` waits for it and brings its sampled tokens to the host."""
 
-    def __init__(self, packed: jax.Array, num_seqs: int):
-        self._packed, self._num_seqs = packed, num_seqs
+    def __init__(self, packed: jax.Array, num_rows: int):
+        self._packed, self._num_rows = packed, num_rows
 
     def result(self) -> StepResult:
         # Laid out by the head (engine/step_table.py's _pack): ids, logprob, top ids, top logprobs.
-        rows = np.asarray(self._packed)[:self._num_seqs]
+        rows = np.asarray(self._packed)[:self._num_rows]
         floats = rows.view(np.float32)
         return StepResult(rows[:, 0], floats[:, 1], rows[:, 2:2 + NUM_TOP_LOGPROBS],
                           floats[:, 2 + NUM_TOP_LOGPROBS:])
@@ -242,7 +242,7 @@ class ModelRunner(StepTable):
             self.slot_state = counts, mask, last
         finally:
             _active.runner = None
-        return PendingStep(outputs, batch.num_seqs)
+        return PendingStep(outputs, batch.num_rows)
 
     def run(self, batch: StepBatch, fuse: bool = True) -> StepResult:
         """One step, waited for."""

@@ -23,6 +23,7 @@ from collections import deque
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
+from engine.speculative import Drafter, SpecDecodeStats, accepted_length, propose
 
 
 class RequestRejected(ValueError):
@@ -41,10 +42,21 @@ class ScheduledSeq:
     # Whether this step reaches the sequence's last token, so a new token is sampled (set when
     # the step is booked; the token's place is token_ids[start + num_new_tokens]).
     samples: bool = False
+    # Proposed tokens at the end of this chunk (speculative decoding, engine/speculative.py):
+    # the step samples after each of its last len(drafts) + 1 positions.
+    drafts: list[int] = dataclasses.field(default_factory=list)
+    # The tokens the step added to the sequence, set by `postprocess`: the kept drafts and the
+    # token sampled after them, up to a stop.
+    new_tokens: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
+
+    @property
+    def num_rows(self) -> int:
+        """The head's rows for this entry: one, plus one per draft."""
+        return 1 + len(self.drafts)
 
 
 @dataclasses.dataclass
@@ -55,6 +67,15 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_rows(self) -> int:
+        """The head's rows: one per entry, plus one per draft."""
+        return sum(s.num_rows for s in self.scheduled)
+
+    @property
+    def drafts(self) -> bool:
+        return any(s.drafts for s in self.scheduled)
 
 
 class Scheduler:
@@ -73,6 +94,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.speculative = config.speculative  # None: no drafting
+        self._drafters: dict[int, Drafter] = {}  # seq_id -> its drafting state
+        self.spec_stats = SpecDecodeStats()
 
     # ---- admission ---------------------------------------------------------------------
 
@@ -101,10 +125,13 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, speculate: bool = False) -> SchedulerOutput:
+        """The next step. With `speculate` (the engine has read every token: no PENDING ones),
+        decodes that may draft bring their proposed tokens (engine/speculative.py)."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
+        num_drafts = 0  # the head has max_num_seqs rows: one per sequence, one per draft
 
         # 1. Running sequences, oldest first: decodes and unfinished prefill chunks.
         i = 0
@@ -123,8 +150,13 @@ class Scheduler:
             else:
                 self.blocks.may_append(seq)
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
-                budget -= n
+                entry = ScheduledSeq(seq, n, seq.num_computed_tokens)
+                if speculate and n == 1:
+                    rows = self.config.max_num_seqs - len(self.running) - num_drafts
+                    self._draft(entry, min(budget - 1, rows))
+                    num_drafts += len(entry.drafts)
+                scheduled.append(entry)
+                budget -= entry.num_new_tokens
                 i += 1
                 continue
             break  # seq itself was preempted: nothing after it is running any more
@@ -132,7 +164,7 @@ class Scheduler:
         # 2. Waiting sequences (new, or preempted and recomputed), chunked to the budget.
         # Not in a step that had to preempt: the freed blocks would only thrash.
         while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) + num_drafts < self.config.max_num_seqs):
             seq = self.waiting[0]
             # Preempted while a step with its token was in flight: recompute it once known.
             if (seq.num_pending or not self.blocks.can_allocate(seq)
@@ -162,6 +194,63 @@ class Scheduler:
                 f"{self.blocks.num_usable_blocks} KV blocks free")
         return SchedulerOutput(scheduled, preempted)
 
+    # ---- speculative decoding (engine/speculative.py) ------------------------------------
+
+    def _may_draft(self, seq: Sequence) -> bool:
+        """Whether a decoding sequence drafts now: not under penalties (their counts are per
+        slot on the device) or a grammar (its mask needs each token before the next), and not
+        while it waits after drafts that gained nothing."""
+        p = seq.params
+        drafter = self._drafters.get(seq.seq_id)
+        return (p.structured_outputs is None and p.presence_penalty == 0
+                and p.frequency_penalty == 0 and p.repetition_penalty == 1
+                and seq.num_tokens - seq.num_computed_tokens <= 1
+                and (drafter is None or drafter.ready(seq.num_output_tokens)))
+
+    def may_speculate(self) -> bool:
+        """Whether the next step may draft (the engine then reads the step in flight first, as
+        drafts continue from the last token): only while the batch is small."""
+        spec = self.speculative
+        return (spec is not None and 0 < len(self.running) <= spec.seq_limit(
+            self.config.max_num_seqs) and any(self._may_draft(s) for s in self.running))
+
+    def _draft(self, entry: ScheduledSeq, room: int) -> None:
+        """Append up to `room` proposed tokens to a decode's chunk, if its pages hold them."""
+        seq, spec, p = entry.seq, self.speculative, entry.seq.params
+        if seq.num_pending or not self._may_draft(seq):
+            return
+        room = min(room, spec.num_speculative_tokens,
+                   self.config.max_model_len - seq.num_tokens - 1)  # the sampled token fits
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+        if room < 1:
+            return
+        drafts = propose(seq.token_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        if not drafts:
+            self._drafters.setdefault(seq.seq_id, Drafter()).record(seq.num_output_tokens, 0, 0)
+            return
+        seq.token_ids.extend(drafts)
+        if not self.blocks.can_append(seq):
+            seq.truncate(seq.num_tokens - len(drafts))
+            return
+        self.blocks.may_append(seq)
+        entry.drafts = drafts
+        entry.num_new_tokens += len(drafts)
+
+    def _verify(self, entry: ScheduledSeq, rows: list[int]) -> list[int]:
+        """A drafting entry's result: keep the drafts up to the first that differs from the
+        token sampled before it, then that sampled token; roll the rest back (their K/V is
+        recomputed when reached again, never cached). Returns the tokens gained."""
+        seq, drafts = entry.seq, entry.drafts
+        kept = accepted_length(drafts, rows)
+        self.spec_stats.record(len(drafts), kept)
+        base = entry.start + 1  # the last token before the drafts is computed
+        self._drafters.setdefault(seq.seq_id, Drafter()).record(
+            base - seq.num_prompt_tokens, len(drafts), kept)
+        seq.truncate(base)  # the drafts and the pending token
+        seq.num_computed_tokens = base + kept
+        return [*drafts[:kept], rows[kept]]
+
     def _waits_for_sibling(self, seq: Sequence) -> bool:
         """n > 1: the sequences of one request share their prompt. While a sibling computes
         it, the others wait (a step or two), then find its full blocks in the prefix cache and
@@ -182,8 +271,8 @@ class Scheduler:
         total = sum(e.num_new_tokens for e in scheduled)
         below = max((b for b in self.config.token_buckets if b <= total), default=total)
         excess = total - below
-        chunk = next((e for e in reversed(scheduled) if e.num_new_tokens > max(excess, 1)),
-                     None)
+        chunk = next((e for e in reversed(scheduled)
+                      if e.num_new_tokens > max(excess, 1) and not e.drafts), None)
         if excess == 0 or chunk is None:
             return
         bucket = lambda n: self.config.bucket_for(n, 1)[0]
@@ -204,23 +293,44 @@ class Scheduler:
         return ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
                 or seq.num_tokens >= self.config.max_model_len)
 
-    def postprocess(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
-        """Record a step's results; `sampled[i]` is the token for `out.scheduled[i]` (None
-        when that entry only computed a prefill chunk). Returns sequences that finished."""
+    def postprocess(self, out: SchedulerOutput,
+                    sampled: list[list[int] | None]) -> list[Sequence]:
+        """Record a step's results; `sampled[i]` holds the tokens of `out.scheduled[i]`'s
+        head rows (one, or one per draft plus one; None when that entry only computed a prefill
+        chunk). Sets each entry's `new_tokens`. Returns sequences that finished."""
         finished = []
-        for entry, token in zip(out.scheduled, sampled, strict=True):
+        for entry, rows in zip(out.scheduled, sampled, strict=True):
             seq = entry.seq
             if seq.is_finished:  # aborted or stopped while the step ran
                 continue
-            if seq.status is SequenceStatus.RUNNING:  # not preempted since: its K/V are written
-                self.blocks.mark_computed(seq, entry.end)
+            running = seq.status is SequenceStatus.RUNNING  # not preempted since: K/V written
             if not entry.samples:
+                if running:
+                    self.blocks.mark_computed(seq, entry.end)
                 continue
-            seq.resolve(entry.end, token)
-            reason = self._stop_reason(seq, token, entry.end + 1)
+            gained, computed = rows[:1], entry.end
+            if entry.drafts:
+                gained = self._verify(entry, rows)
+                computed = seq.num_computed_tokens
+            entry.new_tokens, reason = [], None
+            position = seq.num_tokens if entry.drafts else entry.end  # of the first token
+            for token in gained:
+                if entry.drafts:
+                    seq.append_token(token)
+                else:
+                    seq.resolve(position, token)
+                entry.new_tokens.append(token)
+                position += 1
+                reason = self._stop_reason(seq, token, position)
+                if reason is not None:
+                    break
+            if running:
+                self.blocks.mark_computed(seq, min(computed, position))
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
+            elif entry.drafts:
+                self.blocks.trim(seq)  # pages that held only rejected drafts
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:

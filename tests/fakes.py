@@ -28,8 +28,11 @@ class Done:
 
 
 class FakeRunner:
-    def __init__(self, step: int = 1):
+    def __init__(self, step: int = 1, modulus: int | None = None):
+        """Next token = (previous + step), modulo `modulus` if given (outputs that repeat,
+        for speculative decoding's prompt lookup)."""
         self.step, self.warm, self.compilations_after_warmup = step, False, 0
+        self.modulus = modulus
         self.fail_next = False
         self.gate = threading.Event()
         self.gate.set()
@@ -67,9 +70,11 @@ class FakeRunner:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected fault")
-        n = batch.num_seqs
+        n = batch.num_rows
         tokens = batch.host_tokens(self.last)  # pending rows: their slot's last token
         ids = (tokens[batch.logits_indices[:n]] + self.step).astype(np.int32)
+        if self.modulus:
+            ids %= self.modulus
         self.last[batch.sampling["slots"][:n]] = ids
         return StepResult(ids, np.zeros(n, np.float32), np.zeros((n, 20), np.int32),
                           np.zeros((n, 20), np.float32))

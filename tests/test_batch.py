@@ -55,7 +55,7 @@ def test_a_mixed_step_lays_out_rows_slots_and_page_tables():
     decode = entry(list(range(100, 110)), [5, 6, 7], start=9, n=1)
     prefill = entry(list(range(200, 212)), [3, 8, 11], start=4, n=6)
     batch, _ = build(decode, prefill)
-    assert batch.bucket == (8, 2) and batch.num_seqs == 2
+    assert batch.bucket == (8, 2) and batch.num_rows == 2
     np.testing.assert_array_equal(batch.tokens, [109, 204, 205, 206, 207, 208, 209, 0])
     np.testing.assert_array_equal(batch.token_slot, [-1] * 8)  # every token known here
     np.testing.assert_array_equal(batch.positions, [9, 4, 5, 6, 7, 8, 9, 0])
@@ -141,7 +141,7 @@ def test_sampling_rows_carry_each_requests_parameters_and_seed():
 
 def test_an_empty_batch_is_all_padding():
     batch = empty_batch(CFG, (16, 4))
-    assert batch.num_seqs == 0 and (batch.token_seq == -1).all()
+    assert batch.num_rows == 0 and (batch.token_seq == -1).all()
     assert not batch.slot_mapping.any() and not batch.page_tables.any()
     assert batch.query_start_loc.shape == (9,) and batch.logits_indices.shape == (8,)
     assert (batch.sampling["slots"] == CFG.max_num_seqs).all()

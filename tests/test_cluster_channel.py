@@ -42,7 +42,7 @@ def a_step_batch():
     empty output, a grammar's mask."""
     rng = np.random.default_rng(0)
     batch = empty_batch(CONFIG, (8, 2))
-    batch.num_seqs = 2
+    batch.num_rows = 2
     batch.body[:] = rng.integers(-1, 1000, batch.body.size)
     batch.sampling_ints[:] = rng.integers(-2**31, 2**31 - 1, batch.sampling_ints.shape)
     batch.sampling_floats[:] = rng.standard_normal(batch.sampling_floats.shape)
@@ -164,7 +164,7 @@ def test_an_engine_config_and_a_step_batch_arrive_bit_identical(secret, start, r
     assert built == [CONFIG]
     got, fused = runs[0]
     assert fused is True
-    assert (got.bucket, got.num_seqs) == (batch.bucket, batch.num_seqs)
+    assert (got.bucket, got.num_rows) == (batch.bucket, batch.num_rows)
     for name in ("body", "sampling_ints", "sampling_floats"):
         assert_same_array(getattr(got, name), getattr(batch, name))
     assert len(got.resets) == len(batch.resets)

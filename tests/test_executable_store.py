@@ -20,7 +20,7 @@ def _config(default_gguf, **overrides) -> EngineConfig:
 def _step(runner: ModelRunner) -> np.ndarray:
     """A two-sequence decode from a prompt token each: the sampled ids (greedy)."""
     batch = empty_batch(runner.config, (2, 2))
-    batch.num_seqs = 2
+    batch.num_rows = 2
     batch.tokens[:2] = [17, 923]
     batch.positions[:2] = 0
     batch.token_seq[:2] = [0, 1]

@@ -32,7 +32,7 @@ def seq(n: int, max_tokens: int | None = 8, first: int = 10) -> Sequence:
 def step(sched: Scheduler, token: int = 7):
     """One schedule + postprocess, sampling `token` wherever a step reaches a sequence's end."""
     out = sched.schedule()
-    sched.postprocess(out, [token if e.samples else None for e in out.scheduled])
+    sched.postprocess(out, [[token] if e.samples else None for e in out.scheduled])
     return out
 
 
@@ -46,7 +46,7 @@ def test_prompts_are_chunked_to_the_token_budget():
                                                                            (b, 12, 0)]
     assert out.num_tokens == 32
     assert [e.samples for e in out.scheduled] == [True, False]  # b's prompt is not done
-    sched.postprocess(out, [7, None])
+    sched.postprocess(out, [[7], None])
     out = sched.schedule()
     # Running sequences first: a's decode token, then b's prompt, all but one token: 1 + 8
     # would pad to 16 rows, so 8 rows now and 2 (a's and b's last) next time.
@@ -63,7 +63,7 @@ def test_a_chunk_just_past_a_bucket_leaves_the_excess_to_the_next_step():
     sched.add(big := seq(30, first=900))
     out = sched.schedule()  # 3 decodes + 30 prompt tokens = 33: one past the 32 bucket
     assert [e.num_new_tokens for e in out.scheduled] == [1, 1, 1, 29]
-    sched.postprocess(out, [7, 7, 7, None])
+    sched.postprocess(out, [[7], [7], [7], None])
     out = sched.schedule()  # 4 decodes' worth: the prompt's last token and 3 decodes
     assert out.num_tokens == 4 and out.scheduled[-1].seq is big
     # Far past a bucket, nothing moves: 3 decodes + 26 = 29 rows cost 32 + 4 as they are,
@@ -166,13 +166,13 @@ def test_an_overlapped_step_books_a_pending_token_and_resolves_it_later():
     second = sched.schedule()                     # dispatched before `first` is read
     assert [(e.start, e.num_new_tokens, e.samples) for e in second.scheduled] == [(4, 1, True)]
     assert s.num_pending == 2 and s.num_output_tokens == 2
-    sched.postprocess(first, [41])
+    sched.postprocess(first, [[41]])
     assert s.token_ids[4:] == [41, PENDING] and s.output_token_ids == [41]
     third = sched.schedule()                      # token 2 is the last: nothing to schedule
     assert [e.num_new_tokens for e in third.scheduled] == [1]
     assert sched.schedule().scheduled == []       # max_tokens reached by pending tokens only
-    sched.postprocess(second, [42])
-    sched.postprocess(third, [43])
+    sched.postprocess(second, [[42]])
+    sched.postprocess(third, [[43]])
     assert s.finish_reason == "length" and s.output_token_ids == [41, 42, 43]
     assert sched.blocks.num_free_blocks == sched.blocks.num_usable_blocks
 
@@ -183,10 +183,10 @@ def test_a_stop_learnt_late_drops_the_pending_token_after_it():
     sched.add(s)
     first = sched.schedule()
     second = sched.schedule()                     # already computing the token after EOS
-    sched.postprocess(first, [EOS])
+    sched.postprocess(first, [[EOS]])
     assert s.finish_reason == "stop" and s.token_ids == [10, 11, 12, 13, EOS]
     assert s.num_pending == 0 and sched.blocks.num_free_blocks == sched.blocks.num_usable_blocks
-    sched.postprocess(second, [99])               # read later: ignored, never shown
+    sched.postprocess(second, [[99]])               # read later: ignored, never shown
     assert s.output_token_ids == [EOS]
 
 
@@ -197,7 +197,7 @@ def test_a_sequence_preempted_with_a_pending_token_waits_for_it():
     first = sched.schedule()
     sched._preempt(sched.running.pop())           # as a full cache would, while first runs
     assert sched.schedule().scheduled == []       # no recompute of an unknown token
-    sched.postprocess(first, [55])
+    sched.postprocess(first, [[55]])
     again = sched.schedule()
     assert again.scheduled[0].start == 0 and again.scheduled[0].num_new_tokens == 4
     assert s.token_ids == [10, 11, 12, 13, 55] and s.num_pending == 0  # 4 of 5: a bucket

@@ -1,0 +1,135 @@
+"""Speculative decoding by prompt lookup (engine/speculative.py): the proposer, the flag, and
+the engine's drafting steps on a fake model whose outputs repeat, where every output can be
+computed by hand. The real model's checks are in test_speculative_model.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from fakes import FakeRunner
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import accumulate
+from engine.sampling_params import SamplingParams
+from engine.speculative import Drafter, SpeculativeConfig, accepted_length, propose
+
+EOS = 2
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 1, "max_seqs": 8}
+
+
+def test_prompt_lookup_takes_the_longest_suffix_at_its_latest_occurrence():
+    ids = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # [2, 3] occurs at 1 and 5; [5, 2, 3] nowhere earlier: the latest [2, 3] is followed by 7, 8
+    assert propose(ids, 3, 4, 1) == [7, 8, 5]
+    assert propose(ids, 8, 4, 1) == [7, 8, 5, 2, 3]  # up to the end of the sequence
+    assert propose([4, 5, 6], 3, 4, 1) == []          # nothing repeats
+    assert propose([4, 5, 4], 2, 4, 2) == []          # only a 1-token match, min is 2
+    assert propose([4, 5, 4], 2, 4, 1) == [5, 4]
+    assert propose([7], 3, 4, 1) == []
+
+
+def test_the_flag_takes_vllms_keys_and_refuses_the_rest_clearly():
+    cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, '
+                                  '"prompt_lookup_max": 5, "prompt_lookup_min": 2}')
+    assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (3, 5, 2)
+    assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
+    assert EngineConfig(model="m", speculative=NGRAM).speculative == SpeculativeConfig(**NGRAM)
+    for bad, words in [("{", "not JSON"), ("[1]", "JSON object"),
+                       ('{"method": "eagle"}', "method must be one of"),
+                       ('{"num_speculative_tokens": 0}', r"in \[1, 16\]"),
+                       ('{"num_speculative_tokens": "4"}', "must be an integer"),
+                       ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+                       ('{"speculative_tokens": 3}', "unknown keys speculative_tokens"),
+                       ('{"model": "qwen", "num_speculative_tokens": 3}', "draft models")]:
+        with pytest.raises(ValueError, match=words):
+            SpeculativeConfig.parse(bad)
+
+
+def test_acceptance_and_backoff():
+    assert accepted_length([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accepted_length([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert accepted_length([5], [4, 1]) == 0
+    d = Drafter()
+    assert d.ready(0)
+    d.record(10, 3, 0)                      # all lost: wait 1, then 2, 4, ...
+    assert not d.ready(10) and d.ready(11)
+    d.record(11, 0, 0)
+    assert not d.ready(12) and d.ready(13)
+    d.record(13, 2, 1)                      # a gain resets the wait
+    assert d.ready(13) and d.backoff == 1
+
+
+def _run(speculative, overlap=True, num_blocks=41, abort_at=None, **params):
+    """Six requests through an engine on a fake model with next = (last + 1) % 10, whose
+    prompts repeat that cycle in part (drafts from the prompt are kept for a while, then
+    rejected); returns each request's (tokens, finish reason), the engine's speculation
+    counters and preemptions."""
+    cfg = EngineConfig(model="fake", max_model_len=64, max_num_seqs=12,
+                       max_num_batched_tokens=32, block_size=4, num_blocks=num_blocks,
+                       async_scheduling=overlap, speculative=speculative)
+    tokenizer = types.SimpleNamespace(eos_token_ids=frozenset({EOS}), vocab_size=10**6)
+    eng = LLMEngine(cfg, runner=FakeRunner(modulus=10), tokenizer=tokenizer, detokenize=False)
+    prompts = [[3, 4, 5, 9, 9, 0, 1, 3, 4], [5, 6, 7, 8, 9, 0, 1, 5, 6, 7],
+               [1, 3, 4, 5, 6, 7, 1, 3], [0, 1, 2, 3, 4, 5], [8, 9, 8, 9], [6, 7, 8, 6, 7, 8, 6]]
+    base = dict(temperature=0, ignore_eos=True) | params
+    ids = [eng.add_request(p, SamplingParams(max_tokens=20 + 3 * i, **base))
+           for i, p in enumerate(prompts)]
+    outs, steps = {}, 0
+    while eng.has_unfinished():
+        steps += 1
+        if steps == abort_at:
+            outs[ids[2]] = accumulate(outs.get(ids[2]), eng.abort(ids[2]))
+        for o in eng.step():
+            outs[o.request_id] = accumulate(outs.get(o.request_id), o)
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    eng.block_manager.check_invariants()
+    return ({k: (o.outputs[0].token_ids, o.outputs[0].finish_reason) for k, o in outs.items()},
+            eng.scheduler.spec_stats, eng.scheduler.num_preemptions, steps)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_drafting_gives_the_same_tokens_in_fewer_steps(overlap):
+    want, _, _, plain_steps = _run(None, overlap)
+    got, stats, _, steps = _run(NGRAM, overlap)
+    assert got == want
+    for tokens, reason in got.values():  # the fake model's own tokens, to the last
+        assert reason == "length"
+        assert all(b == (a + 1) % 10 for a, b in zip(tokens[:-1], tokens[1:], strict=True))
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # some kept, some rejected
+    assert steps < plain_steps
+
+
+def test_drafting_under_preemption_and_aborts_leaves_every_page_free():
+    """A cache too small for all six (preemption by recompute) and an abort mid-run: the same
+    outputs as without drafting; _run checks every block is free and the cache consistent."""
+    want, _, _, _ = _run(None, num_blocks=17, abort_at=5)
+    got, stats, preemptions, _ = _run(NGRAM, num_blocks=17, abort_at=5)
+    assert preemptions > 0 and stats.num_accepted_tokens > 0
+    aborted, _ = got.pop("req-2")  # (drafting reaches further by the same step)
+    assert got == {k: v for k, v in want.items() if k != "req-2"}
+    assert want["req-2"][1] == "abort" and aborted == [(4 + i) % 10 for i in range(len(aborted))]
+
+
+def test_stops_inside_the_kept_drafts_end_the_sequence_there():
+    """EOS (2) is among the drafts the model confirms: the sequence ends at it, as without
+    drafting, and nothing past it is shown; a stop token id and max_tokens likewise."""
+    for params in [dict(ignore_eos=False), dict(stop_token_ids=[7]), dict(min_tokens=4)]:
+        want, _, _, _ = _run(None, **params)
+        got, stats, _, _ = _run(NGRAM, **params)
+        assert got == want and stats.num_accepted_tokens > 0, params
+    got, _, _, _ = _run(NGRAM, ignore_eos=False)
+    assert all(reason == "stop" and tokens[-1] == EOS for tokens, reason in got.values())
+
+
+def test_a_large_batch_does_not_draft():
+    """More running sequences than the limit: no step drafts (overlap is kept)."""
+    got, stats, _, _ = _run({**NGRAM, "max_seqs": 2})
+    want, _, _, _ = _run(None)
+    assert got == want
+    few, _, _, _ = _run({**NGRAM, "max_seqs": 1})
+    assert few == want
+    _, none, _, _ = _run({**NGRAM, "max_seqs": 1})
+    assert stats.num_drafts > none.num_drafts
