@@ -58,9 +58,24 @@ class EngineStats:
     num_preemptions: int = 0
     num_aborted: int = 0                # requests aborted unfinished (clients that left)
     compilations_after_warmup: int = 0
+    spec_decode_num_drafts: int = 0     # sequence-steps that brought drafts (engine/speculative)
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
     num_restarts: int = 0
     alive: bool = True
     warm: bool = False
+
+
+def _counters(engine: LLMEngine) -> dict[str, int]:
+    """An engine's counters (EngineStats' fields that add up over rebuilt engines)."""
+    bm, sched, spec = engine.block_manager, engine.scheduler, engine.scheduler.spec_stats
+    return {"prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_preemptions": sched.num_preemptions, "num_aborted": engine.num_aborted,
+            "compilations_after_warmup": engine.runner.compilations_after_warmup,
+            "spec_decode_num_drafts": spec.num_drafts,
+            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens}
 
 
 class AsyncEngine:
@@ -193,17 +208,12 @@ class AsyncEngine:
         """A snapshot for metrics; counters include engines that died and were rebuilt."""
         engine, done = self.engine, self._retired
         bm, sched = engine.block_manager, engine.scheduler
+        counters = {k: getattr(done, k) + v for k, v in _counters(engine).items()}
         return EngineStats(
             num_running=len(sched.running), num_waiting=self.num_waiting,
             kv_usage=bm.usage, num_free_blocks=bm.num_free_blocks,
             num_usable_blocks=bm.num_usable_blocks, kv_cache_bytes=engine.runner.kv_bytes(),
-            weight_bytes=engine.runner.weight_bytes,
-            prefix_cache_queries=done.prefix_cache_queries + bm.prefix_cache_queries,
-            prefix_cache_hits=done.prefix_cache_hits + bm.prefix_cache_hits,
-            num_preemptions=done.num_preemptions + sched.num_preemptions,
-            num_aborted=done.num_aborted + engine.num_aborted,
-            compilations_after_warmup=(done.compilations_after_warmup
-                                       + engine.runner.compilations_after_warmup),
+            weight_bytes=engine.runner.weight_bytes, **counters,
             num_restarts=self.num_restarts, alive=self.alive and cluster.lost() is None,
             warm=engine.runner.warm)
 
@@ -298,15 +308,8 @@ class AsyncEngine:
             if cmd[0] == "add":
                 self._send(cmd[1], failed)
         old = self.engine
-        self._retired = dataclasses.replace(
-            self._retired,
-            prefix_cache_queries=self._retired.prefix_cache_queries
-            + old.block_manager.prefix_cache_queries,
-            prefix_cache_hits=self._retired.prefix_cache_hits + old.block_manager.prefix_cache_hits,
-            num_preemptions=self._retired.num_preemptions + old.scheduler.num_preemptions,
-            num_aborted=self._retired.num_aborted + old.num_aborted,
-            compilations_after_warmup=self._retired.compilations_after_warmup
-            + old.runner.compilations_after_warmup)
+        self._retired = dataclasses.replace(self._retired, **{
+            k: getattr(self._retired, k) + v for k, v in _counters(old).items()})
         # The dead engine's host bookkeeping stays readable (stats) while its device memory
         # goes before the next one is built: both at once would not fit at a high
         # --gpu-memory-utilization.

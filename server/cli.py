@@ -130,6 +130,11 @@ def parser() -> argparse.ArgumentParser:
                    help="a request's numbers do not depend on what shares its steps, so a "
                         "seeded request samples the same tokens alone or under load (CPU; "
                         "slower: see docs/serving.md)")
+    p.add_argument("--speculative-config", metavar="JSON", default=None,
+                   help='speculative decoding by prompt lookup, vLLM\'s keys: \'{"method": '
+                        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 1}\' (off by default; drafts only while a step '
+                        'has few sequences; docs/serving.md)')
     p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                    help="auto: a request that leaves temperature, top_p, top_k, min_p or "
                         "repetition_penalty unset gets the model's recommended value (an HF "
@@ -329,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
             max_waiting_requests=args.max_waiting_requests, seed=args.seed,
             async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant,
-            native_kernels=args.native_kernels,
+            native_kernels=args.native_kernels, speculative=args.speculative_config,
             layer_loop=args.layer_loop, load_format=args.load_format,
             generation_config=args.generation_config,
             generation_overrides=args.override_generation_config)

@@ -54,6 +54,12 @@ _ENGINE_METRICS = [
      "compilations_after_warmup", "counter"),
     ("engine_restarts", "Times the engine thread died and was rebuilt.", "num_restarts",
      "counter"),
+    ("spec_decode_num_drafts", "Speculative decoding: sequence-steps that brought drafts.",
+     "spec_decode_num_drafts", "counter"),
+    ("spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed.",
+     "spec_decode_num_draft_tokens", "counter"),
+    ("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens kept.",
+     "spec_decode_num_accepted_tokens", "counter"),
 ]
 
 

@@ -339,3 +339,38 @@ def test_penalties_match_a_host_reference_across_reused_slots(engine, plain):
                     f"token {i}: {token} vs {int(np.argmax(x))} ({sp})")
                 if token != int(np.argmax(x)):
                     break  # a near-tie: the rest follows another path
+
+
+def test_speculative_steps_give_the_same_outputs(engine, plain):
+    """Drafting by prompt lookup (engine/speculative.py) changes no output: the mixed workload
+    beside prompts that repeat themselves (so drafts are found, kept and rejected), greedy and
+    seeded, with logprobs, stops and n > 1; no compilation; the greedy prompts equal plain
+    decoding."""
+    import dataclasses
+
+    prompts, params = _mixed_workload(engine.tokenizer)
+    copy = "Copy this list exactly: apple, river, stone, cloud, apple, river, stone, cloud. "
+    prompts = prompts + [copy * 2, "1 2 3 4 1 2 3 4 1 2 3", copy]
+    params = params + [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                       SamplingParams(temperature=0.8, seed=21, max_tokens=40, logprobs=1),
+                       SamplingParams(temperature=0, max_tokens=30, stop=["stone"])]
+    compiled = engine.runner.compilations_after_warmup
+    got, logprobs, stats = {}, {}, None
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+        cfg = dataclasses.replace(engine.config, speculative=spec)
+        eng = LLMEngine(cfg, runner=engine.runner, tokenizer=engine.tokenizer)
+        outs = eng.generate(prompts, params)
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+        eng.block_manager.check_invariants()
+        got[spec is None] = [[(c.token_ids, c.text, c.finish_reason,
+                               [lp.token_id for lp in c.logprobs or []]) for c in o.outputs]
+                             for o in outs]
+        logprobs[spec is None] = [lp.logprob for o in outs for c in o.outputs
+                                  for lp in c.logprobs or []]
+        stats = eng.scheduler.spec_stats
+    assert got[False] == got[True]
+    np.testing.assert_allclose(logprobs[False], logprobs[True], atol=2e-3)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert engine.runner.compilations_after_warmup == compiled
+    assert_greedy_equal(got[False][-3][0][0],
+                        plain.generate(engine.tokenizer.encode(prompts[-3]), 40))

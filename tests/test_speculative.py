@@ -133,3 +133,35 @@ def test_a_large_batch_does_not_draft():
     assert few == want
     _, none, _, _ = _run({**NGRAM, "max_seqs": 1})
     assert stats.num_drafts > none.num_drafts
+
+
+def test_the_server_takes_the_flag_and_counts_drafts_in_metrics(tokenizer):
+    """A fake engine with drafting behind the HTTP server: a completion whose prompt repeats
+    gets the same tokens as the fake model's own, and /metrics counts drafted and kept tokens
+    (vLLM's spec_decode names). A bad --speculative-config stops the server at start."""
+    import httpx
+    from fakes import serving
+
+    from engine.async_engine import AsyncEngine, Engines
+    from server import cli
+
+    cfg = EngineConfig(model="fake", name="fake", max_model_len=128, max_num_seqs=8,
+                       max_num_batched_tokens=32, speculative=NGRAM)
+    engine = AsyncEngine(cfg, lambda c: LLMEngine(c, runner=FakeRunner(modulus=10),
+                                                  tokenizer=tokenizer))
+    try:
+        with serving(Engines({"fake": engine})) as url:
+            body = {"model": "fake", "prompt": [5, 6, 7, 8, 9, 3, 4, 5, 6, 7], "max_tokens": 24,
+                    "temperature": 0, "ignore_eos": True, "skip_special_tokens": False}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 24
+            metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    finally:
+        engine.shutdown()
+    counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("xlaserve:spec_decode")}
+    assert counts["xlaserve:spec_decode_num_draft_tokens_total"] >= counts[
+        "xlaserve:spec_decode_num_accepted_tokens_total"] > 0
+    assert counts["xlaserve:spec_decode_num_drafts_total"] > 0
+    assert cli.main(["--speculative-config", '{"method": "eagle"}']) == 2

@@ -11,6 +11,12 @@ device copy bandwidth) and reports the achieved fraction of the matmul ceiling:
 dense FLOPs done per second (2 x non-embedding parameters per processed token, plus
 the LM head per sampled token; attention FLOPs not counted) over the matmul rate.
 
+`--dataset FILE` takes the prompts from a JSON-lines file of chat conversations (each line an
+object with `messages`), rendered with the model's chat template, in place of random token
+ids: `tests/data/grounded_prompts.jsonl` holds edits, rewrites and quoted summaries of a
+given text, where speculative decoding by prompt lookup (`--speculative-config`) has tokens
+to find; the run then reports the drafts' acceptance rate and mean accepted length.
+
 `--json-schema SCHEMA` constrains every reply to a JSON schema (structured output) and adds
 the host time spent filling the grammar masks per step (`grammar_mask_ms_per_step`).
 
@@ -69,7 +75,7 @@ def build_engine(args) -> LLMEngine:
                   tensor_parallel_size=args.tensor_parallel_size,
                   async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant,
                   native_kernels=args.native_kernels,
-                  layer_loop=args.layer_loop)
+                  layer_loop=args.layer_loop, speculative=args.speculative_config)
     if args.random_weights:
         from models.loader import resolve_dtype
         from models.presets import preset_config
@@ -130,6 +136,23 @@ def _print(res: dict, output: str | None) -> None:
     if output:
         with open(output, "w") as f:
             json.dump(res, f, indent=2)
+
+
+def dataset_requests(args, engine: LLMEngine):
+    """`--dataset`: each line's conversation rendered with the chat template, cycled to
+    --num-prompts, `--output-len` tokens each."""
+    from models.chat_template import ChatTemplate
+
+    template = ChatTemplate.for_tokenizer(engine.tokenizer)
+    lines = [json.loads(line) for line in Path(args.dataset).read_text().splitlines() if line]
+    rng = random.Random(args.seed)
+    reqs = []
+    for i in range(args.num_prompts):
+        text = template.render(lines[i % len(lines)]["messages"], add_generation_prompt=True)
+        reqs.append((engine.encode(text, add_special_tokens=False), SamplingParams(
+            temperature=args.temperature, max_tokens=args.output_len,
+            ignore_eos=args.ignore_eos, seed=rng.getrandbits(32))))
+    return reqs
 
 
 def make_requests(args, vocab: int, special: frozenset[int]):
@@ -219,6 +242,11 @@ def summarize(engine: LLMEngine, timings, duration: float, ceilings: dict) -> di
         "async_scheduling": engine.async_scheduling,
         "num_preemptions": engine.scheduler.num_preemptions,
     }
+    if engine.config.speculative is not None:
+        spec = engine.scheduler.spec_stats
+        res.update(spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+                   spec_acceptance_rate=spec.acceptance_rate,
+                   spec_mean_accepted_length=spec.mean_accepted_length)
     if engine.grammars.mask_steps:  # host time filling grammar masks (beside the body)
         res["grammar_mask_steps"] = engine.grammars.mask_steps
         res["grammar_mask_ms_per_step"] = (1e3 * engine.grammars.mask_seconds
@@ -269,6 +297,12 @@ def main(argv=None) -> int:
     p.add_argument("--simulate-device-ms", type=float, default=None,
                    help="measure the host path alone against a simulated device whose step "
                         "takes this long (no model runs)")
+    p.add_argument("--speculative-config", metavar="JSON", default=None,
+                   help='speculative decoding, as the server\'s flag: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\'')
+    p.add_argument("--dataset", help="prompts from a JSON-lines file of conversations "
+                                     "({'messages': [...]} a line), e.g. "
+                                     "tests/data/grounded_prompts.jsonl")
     p.add_argument("--json-schema", help="constrain every reply to this JSON schema (a file or "
                    "the schema's text): the cost of structured output")
     p.add_argument("--output", help="write the results as JSON")
@@ -296,7 +330,8 @@ def main(argv=None) -> int:
     ceilings = measure_ceilings(engine.runner.dtype, args.max_num_seqs, cfg.hidden_size,
                                 cfg.intermediate_size)
     special = getattr(engine.tokenizer, "special_token_ids", frozenset())
-    requests = make_requests(args, cfg.vocab_size, special)
+    requests = (dataset_requests(args, engine) if args.dataset
+                else make_requests(args, cfg.vocab_size, special))
     dense_t1 = dense_seconds(engine.runner, num_tokens=1)
     timings, duration = run(engine, requests, args.concurrency or args.num_prompts)
     # Ceilings are peaks: measure again after the run and keep the better reading of each
