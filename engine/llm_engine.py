@@ -31,6 +31,7 @@ from engine.outputs import CompletionOutput, RequestOutput, TextState, TokenLogp
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.speculative import StepCosts
 from models.tokenizer import Tokenizer
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -64,6 +65,9 @@ class LLMEngine:
         self.block_manager = BlockManager(config.total_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.tokenizer.eos_token_ids)
+        # What steps of each token bucket take (speculative decoding's cost model): the
+        # runner's timings at warmup, then the steps that run without overlap.
+        self.scheduler.step_costs = StepCosts(getattr(self.runner, "step_seconds", None))
         self.input_batch = InputBatch(config, self.tokenizer.eos_token_ids)
         self.async_scheduling = config.async_scheduling
         self._in_flight = None  # (SchedulerOutput, pending step) dispatched, not yet read
@@ -166,17 +170,26 @@ class LLMEngine:
             if rows:
                 batch.token_mask = functools.partial(self.grammars.fill_mask, rows,
                                                      batch.bucket[1])
+            submitted = time.perf_counter()
             launched = out, self.runner.submit(batch)
         if not overlap:
-            return outputs + ([] if launched is None else self._read(*launched))
+            if launched is None:
+                return outputs
+            return outputs + self._read(*launched, timed=(batch.bucket[0], submitted))
         previous, self._in_flight = self._in_flight, launched
         return [] if previous is None else self._read(*previous)
 
-    def _read(self, out: SchedulerOutput, pending) -> list[RequestOutput]:
-        """Wait for a dispatched step, record its tokens and build the outputs that changed."""
+    def _read(self, out: SchedulerOutput, pending,
+              timed: tuple[int, float] | None = None) -> list[RequestOutput]:
+        """Wait for a dispatched step, record its tokens and build the outputs that changed.
+        `timed`: (token bucket, when it was submitted) of a step that did not overlap, whose
+        time the cost model of drafting learns."""
         waited = time.perf_counter()
         result = pending.result()
-        self.wait_s += time.perf_counter() - waited
+        done = time.perf_counter()
+        self.wait_s += done - waited
+        if timed is not None:
+            self.scheduler.step_costs.record(timed[0], done - timed[1])
         ended = {e.seq.seq_id for e in out.scheduled if e.seq.is_finished}  # while it ran
         first_rows = list(itertools.accumulate((e.num_rows for e in out.scheduled), initial=0))
         ids = result.token_ids.tolist()

@@ -172,6 +172,7 @@ class ModelRunner(StepTable):
             self.kv_bytes() / 2**30, self.kv_dtype.name, list(config.token_buckets),
             list(config.seq_buckets))
         self.compilations_after_warmup = 0
+        self.step_seconds: dict[int, float] = {}  # token bucket -> seconds (_time_steps)
         self.warm = False
 
     def _no_token_mask(self, num_seqs: int) -> jax.Array:

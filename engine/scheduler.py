@@ -23,7 +23,15 @@ from collections import deque
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
-from engine.speculative import Drafter, SpecDecodeStats, accepted_length, propose
+from engine.speculative import (
+    Drafter,
+    SpecDecodeStats,
+    StepCosts,
+    accepted_length,
+    choose_drafts,
+    expected_tokens,
+    propose,
+)
 
 
 class RequestRejected(ValueError):
@@ -97,6 +105,7 @@ class Scheduler:
         self.speculative = config.speculative  # None: no drafting
         self._drafters: dict[int, Drafter] = {}  # seq_id -> its drafting state
         self.spec_stats = SpecDecodeStats()
+        self.step_costs = StepCosts()  # the engine times steps into it
 
     # ---- admission ---------------------------------------------------------------------
 
@@ -132,6 +141,7 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         num_drafts = 0  # the head has max_num_seqs rows: one per sequence, one per draft
+        gain = 0.0      # tokens the step is expected to add (drafting's cost model)
 
         # 1. Running sequences, oldest first: decodes and unfinished prefill chunks.
         i = 0
@@ -153,8 +163,11 @@ class Scheduler:
                 entry = ScheduledSeq(seq, n, seq.num_computed_tokens)
                 if speculate and n == 1:
                     rows = self.config.max_num_seqs - len(self.running) - num_drafts
-                    self._draft(entry, min(budget - 1, rows))
+                    tokens = self.config.max_num_batched_tokens - budget
+                    self._draft(entry, min(budget - 1, rows), tokens, gain)
                     num_drafts += len(entry.drafts)
+                if n == seq.num_tokens - seq.num_computed_tokens:  # a decode: it samples
+                    gain += expected_tokens(self._acceptance(seq), len(entry.drafts))
                 scheduled.append(entry)
                 budget -= entry.num_new_tokens
                 i += 1
@@ -177,6 +190,8 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
+        if num_drafts:
+            self._fit_drafts(scheduled, num_drafts)
         self._trim_to_bucket(scheduled)
         # Sequences with history (computed tokens) first: the reference attention reads
         # history only up to the last row that has any.
@@ -207,15 +222,37 @@ class Scheduler:
                 and seq.num_tokens - seq.num_computed_tokens <= 1
                 and (drafter is None or drafter.ready(seq.num_output_tokens)))
 
+    def _acceptance(self, seq: Sequence) -> float:
+        drafter = self._drafters.get(seq.seq_id)
+        return Drafter.acceptance if drafter is None else drafter.acceptance
+
+    def _bucket(self, num_tokens: int) -> int:
+        return self.config.bucket_for(num_tokens, 1)[0]
+
+    def _pays(self, seq: Sequence, tokens: int, gain: float, room: int) -> int:
+        """Drafts (0 .. room) the cost model gives `seq` in a step holding `tokens` tokens and
+        an expected `gain` before it; in full while it probes after having stepped aside."""
+        drafter = self._drafters.get(seq.seq_id)
+        if drafter is not None and drafter.probing:
+            return room
+        return choose_drafts(self._acceptance(seq), room, tokens, gain, self._bucket,
+                             self.step_costs)
+
     def may_speculate(self) -> bool:
         """Whether the next step may draft (the engine then reads the step in flight first, as
-        drafts continue from the last token): only while the batch is small."""
+        drafts continue from the last token): only while the batch is small, and some decode
+        would draft by the cost model."""
         spec = self.speculative
-        return (spec is not None and 0 < len(self.running) <= spec.seq_limit(
-            self.config.max_num_seqs) and any(self._may_draft(s) for s in self.running))
+        if spec is None or not 0 < len(self.running) <= spec.seq_limit(self.config.max_num_seqs):
+            return False
+        others = len(self.running) - 1  # about what the other decodes bring
+        room = min(spec.num_speculative_tokens, self.config.max_num_batched_tokens - others - 1)
+        return any(self._may_draft(s) and self._pays(s, others, others, room) > 0
+                   for s in self.running)
 
-    def _draft(self, entry: ScheduledSeq, room: int) -> None:
-        """Append up to `room` proposed tokens to a decode's chunk, if its pages hold them."""
+    def _draft(self, entry: ScheduledSeq, room: int, tokens: int, gain: float) -> None:
+        """Append up to `room` proposed tokens to a decode's chunk, as many as pay (`_pays`),
+        if its pages hold them. `tokens`, `gain`: the step's tokens and expected gain so far."""
         seq, spec, p = entry.seq, self.speculative, entry.seq.params
         if seq.num_pending or not self._may_draft(seq):
             return
@@ -225,9 +262,14 @@ class Scheduler:
             room = min(room, p.max_tokens - seq.num_output_tokens - 1)
         if room < 1:
             return
+        drafter = self._drafters.setdefault(seq.seq_id, Drafter())
         drafts = propose(seq.token_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min)
         if not drafts:
-            self._drafters.setdefault(seq.seq_id, Drafter()).record(seq.num_output_tokens, 0, 0)
+            drafter.record(seq.num_output_tokens, 0, 0)
+            return
+        drafts = drafts[:self._pays(seq, tokens, gain, len(drafts))]
+        if not drafts:
+            drafter.step_aside(seq.num_output_tokens)
             return
         seq.token_ids.extend(drafts)
         if not self.blocks.can_append(seq):
@@ -236,6 +278,25 @@ class Scheduler:
         self.blocks.may_append(seq)
         entry.drafts = drafts
         entry.num_new_tokens += len(drafts)
+
+    def _fit_drafts(self, scheduled: list[ScheduledSeq], num_drafts: int) -> None:
+        """Drafts never make a step pay for padding: when they carry the step's tokens past a
+        bucket, the last drafts go (the longest drafts lose theirs first) until the tokens fill
+        that bucket exactly. (One sequence drafting 4 runs 4 tokens, not 5 padded to 8: a
+        token's rows cost about the same whether they hold a draft or padding.)"""
+        total = sum(e.num_new_tokens for e in scheduled)
+        below = max(b for b in self.config.token_buckets if b <= total)
+        excess = total - below
+        if excess == 0 or excess > num_drafts:  # no bucket boundary within the drafts' reach
+            return
+        drafting = [e for e in scheduled if e.drafts]
+        for _ in range(excess):
+            entry = max(drafting, key=lambda e: len(e.drafts))
+            entry.drafts.pop()
+            entry.num_new_tokens -= 1
+            entry.seq.token_ids.pop()
+        for entry in drafting:
+            self.blocks.trim(entry.seq)
 
     def _verify(self, entry: ScheduledSeq, rows: list[int]) -> list[int]:
         """A drafting entry's result: keep the drafts up to the first that differs from the
@@ -352,6 +413,7 @@ class Scheduler:
             return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._drafters.pop(seq.seq_id, None)
         seq.truncate(seq.num_tokens - seq.num_pending)  # a token past the end is never shown
         if seq in self.running:
             self.running.remove(seq)

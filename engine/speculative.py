@@ -15,8 +15,14 @@ filter, and a rejected position gets the target's token drawn from p without d, 
 So the output distribution is the target's, greedy gives the target's greedy tokens, and a
 seeded request gives the same tokens with or without speculation, alone or in any batch.
 
-Drafting costs the step its overlap (the proposer needs the last token), so a sequence whose
-drafts found nothing or were all rejected waits a while before it drafts again (`Drafter`),
+Drafting pays only where a step of more tokens costs little more than a step of one: on a
+GPU at a few sequences, hardly at all on a small CPU, where each token's rows are compute.
+So the scheduler drafts k tokens only when the step's expected tokens per second grow by it
+(`choose_drafts`): the expected tokens come from the sequence's acceptance so far (`Drafter`,
+each draft position kept with probability a: 1 + a + ... + a^k tokens), the seconds from
+what steps of each token bucket took (`StepCosts`: timed at warmup, then from the steps that
+ran). Drafting also costs the step its overlap (the proposer needs the last token), so a
+sequence whose drafts found nothing or lost every token waits a while before it drafts again,
 and the scheduler drafts only while the batch is small (`max_seqs`).
 """
 
@@ -106,22 +112,81 @@ def propose(token_ids: list[int] | np.ndarray, k: int, lookup_max: int,
 
 @dataclasses.dataclass
 class Drafter:
-    """A sequence's drafting state: after a draft that proposed nothing or lost every token
-    it waits `backoff` output tokens (doubling up to MAX_BACKOFF) before it drafts again."""
+    """A sequence's drafting state: how often a draft position was kept (`acceptance`, a
+    moving average over the positions verified), and after a draft that proposed nothing or
+    lost every token, `backoff` output tokens (doubling up to MAX_BACKOFF) of waiting."""
 
     MAX_BACKOFF = 32
+    RATE = 0.2         # weight of each verified position in the moving average
     next_at: int = 0   # output index from which it may draft
     backoff: int = 1
+    acceptance: float = 0.7  # before any evidence: prompt lookup's usual rate on edits
 
     def ready(self, num_output_tokens: int) -> bool:
         return num_output_tokens >= self.next_at
 
+    probing: bool = False    # after stepping aside: the next draft goes in full, to learn
+
     def record(self, num_output_tokens: int, proposed: int, accepted: int) -> None:
+        for kept in [1.0] * accepted + [0.0] * (accepted < proposed):
+            self.acceptance += self.RATE * (kept - self.acceptance)
+        if proposed:
+            self.probing = False
         if proposed and accepted:
             self.backoff = 1
             return
+        self.wait(num_output_tokens)
+
+    def step_aside(self, num_output_tokens: int) -> None:
+        """Drafts did not pay now: wait, then probe with a full draft."""
+        self.wait(num_output_tokens)
+        self.probing = True
+
+    def wait(self, num_output_tokens: int) -> None:
         self.next_at = num_output_tokens + self.backoff
         self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
+
+
+class StepCosts:
+    """Seconds a step of each token bucket takes: timed once at warmup (the runner's
+    `step_seconds`, on padding), then a moving average of the steps that ran without overlap
+    (submit to result)."""
+
+    RATE = 0.1
+
+    def __init__(self, seconds: dict[int, float] | None = None):
+        self.seconds = seconds if seconds is not None else {}  # (the runner's, filled at warmup)
+
+    def record(self, bucket: int, seconds: float) -> None:
+        old = self.seconds.get(bucket)
+        self.seconds[bucket] = seconds if old is None else old + self.RATE * (seconds - old)
+
+    def of(self, bucket: int) -> float | None:
+        return self.seconds.get(bucket)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a sequence gains from a step with k drafts: the sampled one, and draft j kept
+    with probability acceptance^j (each kept only if the ones before it were)."""
+    return 1 + sum(acceptance ** j for j in range(1, k + 1))
+
+
+def choose_drafts(acceptance: float, room: int, tokens: int, gain: float,
+                  bucket_of, costs: StepCosts) -> int:
+    """How many drafts (0 .. room) a decode should bring to a step that holds `tokens` tokens
+    and an expected `gain` tokens before it: the most expected tokens per second for the
+    whole step. A bucket not timed yet counts as costing what the step costs without drafts
+    (so it is tried, and timed)."""
+    base = costs.of(bucket_of(tokens + 1))
+    best, best_rate = 0, None
+    for k in range(room + 1):
+        cost = costs.of(bucket_of(tokens + 1 + k)) or base
+        if cost is None:  # nothing timed at all: draft in full
+            return room
+        rate = (gain + expected_tokens(acceptance, k)) / cost
+        if best_rate is None or rate > best_rate * 1.0001:
+            best, best_rate = k, rate
+    return best
 
 
 def accepted_length(drafts: list[int], sampled: list[int]) -> int:

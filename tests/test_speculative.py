@@ -1,6 +1,6 @@
 """Speculative decoding by prompt lookup (engine/speculative.py): the proposer, the flag, and
 the engine's drafting steps on a fake model whose outputs repeat, where every output can be
-computed by hand. The real model's checks are in test_speculative_model.py."""
+computed by hand. On the real model: tests/test_engine.py's speculative steps test."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import accumulate
 from engine.sampling_params import SamplingParams
-from engine.speculative import Drafter, SpeculativeConfig, accepted_length, propose
+from engine.speculative import (
+    Drafter,
+    SpeculativeConfig,
+    StepCosts,
+    accepted_length,
+    choose_drafts,
+    propose,
+)
 
 EOS = 2
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -62,6 +69,17 @@ def test_acceptance_and_backoff():
     assert d.ready(13) and d.backoff == 1
 
 
+class EqualCosts(StepCosts):
+    """Every bucket costs the same and nothing is learnt from the fake's timings (so the
+    tests' decisions never depend on the machine's speed)."""
+
+    def record(self, bucket, seconds):
+        pass
+
+    def of(self, bucket):
+        return 1.0
+
+
 def _run(speculative, overlap=True, num_blocks=41, abort_at=None, **params):
     """Six requests through an engine on a fake model with next = (last + 1) % 10, whose
     prompts repeat that cycle in part (drafts from the prompt are kept for a while, then
@@ -72,6 +90,7 @@ def _run(speculative, overlap=True, num_blocks=41, abort_at=None, **params):
                        async_scheduling=overlap, speculative=speculative)
     tokenizer = types.SimpleNamespace(eos_token_ids=frozenset({EOS}), vocab_size=10**6)
     eng = LLMEngine(cfg, runner=FakeRunner(modulus=10), tokenizer=tokenizer, detokenize=False)
+    eng.scheduler.step_costs = EqualCosts()
     prompts = [[3, 4, 5, 9, 9, 0, 1, 3, 4], [5, 6, 7, 8, 9, 0, 1, 5, 6, 7],
                [1, 3, 4, 5, 6, 7, 1, 3], [0, 1, 2, 3, 4, 5], [8, 9, 8, 9], [6, 7, 8, 6, 7, 8, 6]]
     base = dict(temperature=0, ignore_eos=True) | params
@@ -165,3 +184,48 @@ def test_the_server_takes_the_flag_and_counts_drafts_in_metrics(tokenizer):
         "xlaserve:spec_decode_num_accepted_tokens_total"] > 0
     assert counts["xlaserve:spec_decode_num_drafts_total"] > 0
     assert cli.main(["--speculative-config", '{"method": "eagle"}']) == 2
+
+
+def test_drafts_fill_a_bucket_and_rejected_ones_give_their_pages_back():
+    """One sequence, k = 4: its step brings 4 tokens (3 drafts), not 5 padded to 8. Drafts the
+    model rejects are rolled back: the sequence keeps what was kept plus the sampled token,
+    its pages cover exactly those, and no block past the verified tokens is cached."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    cfg = EngineConfig(model="", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+                       block_size=4, num_blocks=40, speculative=NGRAM)
+    blocks = BlockManager(cfg.total_blocks, cfg.block_size)
+    sched = Scheduler(cfg, blocks, eos_token_ids=frozenset({EOS}))
+    s = Sequence([*range(10, 25), 10], SamplingParams(max_tokens=20), 4)  # 16 tokens
+    sched.add(s)
+    for token in (11, 12):                                   # the prompt, then a plain decode
+        sched.postprocess(sched.schedule(), [[token]])
+    assert s.token_ids[-3:] == [10, 11, 12] and s.num_computed_tokens == 17
+    out = sched.schedule(speculate=True)                     # [10, 11, 12] -> 13, 14, 15, 16
+    (entry,) = out.scheduled
+    assert entry.drafts == [13, 14, 15] and entry.num_new_tokens == 4 and out.num_rows == 4
+    assert len(s.block_table) == 6                           # 21 tokens: the drafts' block too
+    sched.postprocess(out, [[13, 99, 5, 6]])                 # keeps 13, then samples 99
+    assert s.token_ids[16:] == [11, 12, 13, 99] and entry.new_tokens == [13, 99]
+    assert s.num_computed_tokens == 19 and s.num_pending == 0
+    assert len(s.block_table) == 5                           # 20 tokens: the 6th block is free
+    blocks.check_invariants([s])
+    assert blocks.num_cached_blocks_of(s) == 4               # 19 computed: 4 full blocks
+    assert sched.spec_stats.num_draft_tokens == 3 and sched.spec_stats.num_accepted_tokens == 1
+
+
+def test_drafts_are_as_many_as_pay_for_their_step():
+    """The cost model: where a step of 4 tokens costs what one does (an accelerator at batch
+    1), a decode drafts in full; where it costs 2.2 times one (the 2-core CPU), only with a
+    high acceptance; never where each token costs a step of its own."""
+    bucket = lambda n: 1 << (n - 1).bit_length()
+    flat = StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.1})
+    cpu = StepCosts({1: 10.0, 2: 14.0, 4: 22.0, 8: 40.0})
+    linear = StepCosts({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0})
+    assert choose_drafts(0.7, 3, 0, 0.0, bucket, flat) == 3
+    assert choose_drafts(0.9, 3, 0, 0.0, bucket, cpu) == 3
+    assert choose_drafts(0.3, 3, 0, 0.0, bucket, cpu) == 0
+    assert choose_drafts(0.99, 7, 0, 0.0, bucket, linear) == 0
+    assert choose_drafts(0.7, 3, 0, 0.0, bucket, StepCosts()) == 3  # nothing timed: try
