@@ -15,6 +15,18 @@ from engine.async_engine import AsyncEngine, Engines
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepResult
+from engine.speculative import StepCosts
+
+
+class EqualCosts(StepCosts):
+    """Speculative decoding's cost model with every token bucket costing the same and nothing
+    learnt from timings, so a test's drafting never depends on the machine's speed."""
+
+    def record(self, bucket, seconds):
+        pass
+
+    def of(self, bucket):
+        return 1.0
 
 
 class Done:

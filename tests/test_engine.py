@@ -348,6 +348,8 @@ def test_speculative_steps_give_the_same_outputs(engine, plain):
     decoding."""
     import dataclasses
 
+    from fakes import EqualCosts
+
     prompts, params = _mixed_workload(engine.tokenizer)
     copy = "Copy this list exactly: apple, river, stone, cloud, apple, river, stone, cloud. "
     prompts = prompts + [copy * 2, "1 2 3 4 1 2 3 4 1 2 3", copy]
@@ -359,6 +361,7 @@ def test_speculative_steps_give_the_same_outputs(engine, plain):
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
         cfg = dataclasses.replace(engine.config, speculative=spec)
         eng = LLMEngine(cfg, runner=engine.runner, tokenizer=engine.tokenizer)
+        eng.scheduler.step_costs = EqualCosts()  # drafting as on an accelerator at batch 1
         outs = eng.generate(prompts, params)
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
         eng.block_manager.check_invariants()
@@ -374,3 +377,40 @@ def test_speculative_steps_give_the_same_outputs(engine, plain):
     assert engine.runner.compilations_after_warmup == compiled
     assert_greedy_equal(got[False][-3][0][0],
                         plain.generate(engine.tokenizer.encode(prompts[-3]), 40))
+
+
+@pytest.mark.slow
+def test_speculation_keeps_the_sampled_distribution(engine):
+    """The second token sampled at temperature 0.8 after a prompt that repeats itself (so
+    drafts verify it), 4,000 draws with and without drafting, each draw its own seed: the two
+    histograms pass a chi-squared test of one distribution (p > 0.01). Seeds are not paired
+    across the two runs (draws 0..3999 without, 4000..7999 with), so this checks the
+    distribution, not only the seed-for-seed equality the test above holds."""
+    import dataclasses
+
+    from fakes import EqualCosts
+    from scipy.stats import chi2_contingency
+
+    prompt = "red green blue red green blue red green blue red green"
+    counts = []
+    ngram = {"method": "ngram", "num_speculative_tokens": 1, "max_seqs": 8}
+    for spec, first_seed in ((None, 0), (ngram, 4000)):
+        cfg = dataclasses.replace(engine.config, speculative=spec)
+        eng = LLMEngine(cfg, runner=engine.runner, tokenizer=engine.tokenizer)
+        eng.scheduler.step_costs = EqualCosts()
+        seen: dict[int, int] = {}
+        for wave in range(first_seed, first_seed + 4000, 8):  # 8 at a time: all may draft
+            outs = eng.generate([prompt] * 8, [SamplingParams(  # (a third token: room to draft)
+                temperature=0.8, seed=s, max_tokens=3, ignore_eos=True)
+                for s in range(wave, wave + 8)])
+            for o in outs:
+                token = o.outputs[0].token_ids[1]
+                seen[token] = seen.get(token, 0) + 1
+        counts.append(seen)
+        if spec is not None:
+            assert eng.scheduler.spec_stats.num_drafts > 1000  # (its first token, when it repeats)
+    tokens = sorted(set(counts[0]) | set(counts[1]))
+    table = np.array([[c.get(t, 0) for t in tokens] for c in counts])
+    table = table[:, table.sum(axis=0) >= 10]  # chi-squared needs populated cells
+    assert table.shape[1] >= 2
+    assert chi2_contingency(table).pvalue > 0.01

@@ -7,7 +7,7 @@ from __future__ import annotations
 import types
 
 import pytest
-from fakes import FakeRunner
+from fakes import EqualCosts, FakeRunner
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -67,17 +67,6 @@ def test_acceptance_and_backoff():
     assert not d.ready(12) and d.ready(13)
     d.record(13, 2, 1)                      # a gain resets the wait
     assert d.ready(13) and d.backoff == 1
-
-
-class EqualCosts(StepCosts):
-    """Every bucket costs the same and nothing is learnt from the fake's timings (so the
-    tests' decisions never depend on the machine's speed)."""
-
-    def record(self, bucket, seconds):
-        pass
-
-    def of(self, bucket):
-        return 1.0
 
 
 def _run(speculative, overlap=True, num_blocks=41, abort_at=None, **params):
