@@ -36,9 +36,38 @@ class FakeServer:
         self.fail_in_stream = False
         self.usage = True  # False: a server that never reports usage
         self.merge_last = False  # send the last two tokens as one chunk, as detokenizers may
+        self.spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/metrics", self.metrics),
             Route("/tokenize", self.tokenize, methods=["POST"])])
+
+    async def metrics(self, request: Request):
+        from starlette.responses import PlainTextResponse
+
+        lines = [f'xlaserve:spec_decode_{k}_total{{model_name="fake"}} {float(v)}'
+                 for k, v in self.spec.items()]
+        return PlainTextResponse("\n".join(["# HELP others", "xlaserve:other_total 3.0", *lines]))
+
+    async def chat(self, request: Request):
+        """Streams max_tokens one-token deltas; each request counts 2 drafts of 3 tokens, 4
+        of them kept, in /metrics."""
+        body = await request.json()
+        self.bodies.append(body)
+        for k, v in (("num_drafts", 2), ("num_draft_tokens", 6), ("num_accepted_tokens", 4)):
+            self.spec[k] += v
+
+        async def stream():
+            for _ in range(body["max_tokens"]):
+                await asyncio.sleep(0.002)
+                delta = {"choices": [{"index": 0, "delta": {"content": "y"}}]}
+                yield f"data: {json.dumps(delta)}\n\n"
+            usage = {"prompt_tokens": 7, "completion_tokens": body["max_tokens"]}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
 
     async def tokenize(self, request: Request):
         words = (await request.json())["prompt"].split()  # one token per word
@@ -217,3 +246,22 @@ def test_help_and_no_jax_at_import():
     probe = "import sys, engine.bench.serve; assert 'jax' not in sys.modules"
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, timeout=60)
     assert proc.returncode == 0
+
+
+def test_a_dataset_of_conversations_and_the_servers_drafting(fake, tmp_path):
+    """--dataset sends each line's messages to /v1/chat/completions (streamed deltas counted
+    as text chunks), and the server's spec_decode counters over the run become the acceptance
+    rate and mean accepted length."""
+    data = tmp_path / "convs.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]})
+                              for i in range(3)) + "\n")
+    rc, res, _ = run_bench(fake, tmp_path, "--dataset", str(data))
+    assert rc == 0 and res["completed"] == 8 and res["total_output_tokens"] == 8 * 6
+    assert all(b["messages"][0]["content"].startswith("hi ") for b in fake.bodies)
+    assert res["total_input_tokens"] == 8 * 7  # from usage
+    # 8 measured requests (the warmup's counts come before the first reading)
+    assert res["spec_num_drafts"] == 16 and res["spec_num_draft_tokens"] == 48
+    assert res["spec_acceptance_rate"] == pytest.approx(4 / 6)
+    assert res["spec_mean_accepted_length"] == pytest.approx(3.0)
+    rc, res, _ = run_bench(fake, tmp_path)  # completions: no drafting reported
+    assert "spec_num_drafts" not in res

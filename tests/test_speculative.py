@@ -218,3 +218,38 @@ def test_drafts_are_as_many_as_pay_for_their_step():
     assert choose_drafts(0.3, 3, 0, 0.0, bucket, cpu) == 0
     assert choose_drafts(0.99, 7, 0, 0.0, bucket, linear) == 0
     assert choose_drafts(0.7, 3, 0, 0.0, bucket, StepCosts()) == 3  # nothing timed: try
+
+
+@pytest.mark.slow
+def test_greedy_with_float32_pages_is_identical_with_drafting(default_gguf):
+    """The default model, float32 KV pages: 64 prompts (the edits and quoted summaries of
+    tests/data/grounded_prompts.jsonl, and short ones), 256 greedy tokens each, the same with
+    and without drafting, 8 at a time so every step may draft."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from models.chat_template import ChatTemplate
+
+    cfg = EngineConfig(model=str(default_gguf), kv_cache_dtype="float32", max_model_len=1024,
+                       max_num_seqs=16, max_num_batched_tokens=128)
+    plain = LLMEngine(cfg)
+    plain.runner.warmup()
+    template = ChatTemplate.for_tokenizer(plain.tokenizer)
+    lines = [json.loads(line) for line in (Path(__file__).parent / "data" /
+                                           "grounded_prompts.jsonl").read_text().splitlines()]
+    prompts = [plain.encode(template.render(line["messages"], add_generation_prompt=True),
+                            add_special_tokens=False) for line in lines]
+    prompts += [plain.encode(f"Count from {i} to {i + 40}, then back down:")
+                for i in range(64 - len(prompts))]
+    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    drafting = LLMEngine(dataclasses.replace(cfg, speculative={**NGRAM, "max_seqs": 8}),
+                         runner=plain.runner, tokenizer=plain.tokenizer)
+    drafting.scheduler.step_costs = EqualCosts()
+    got = {}
+    for eng in (plain, drafting):
+        got[eng is drafting] = [o.outputs[0].token_ids for i in range(0, 64, 8)
+                                for o in eng.generate(prompts[i:i + 8], params)]
+    stats = drafting.scheduler.spec_stats
+    assert stats.num_accepted_tokens > 1000, stats
+    assert got[True] == got[False]

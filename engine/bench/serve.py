@@ -9,6 +9,11 @@ definitions: TTFT (send -> first chunk with text), TPOT ((E2EL - TTFT) / (output
 requests with more than one output token), ITL (every gap between successive text chunks,
 all requests pooled), E2EL (send -> last text chunk), and request and token throughputs
 over the benchmark duration (first send -> last completion).
+
+`--dataset FILE` sends conversations from a JSON-lines file (`{"messages": [...]}` a line,
+e.g. tests/data/grounded_prompts.jsonl) to /v1/chat/completions instead. When the server
+counts speculative decoding in `/metrics` (xlaserve's or vLLM's `spec_decode_*` counters),
+the run reports what it drafted: acceptance rate and mean accepted length.
 This module imports no jax: only the optional machine ceilings (engine.bench.ceilings) do, lazily.
 """
 
@@ -30,7 +35,7 @@ import numpy as np
 
 @dataclasses.dataclass
 class Request:
-    prompt: list[int] | str
+    prompt: list[int] | str | list[dict]  # token ids, text, or a chat's messages (--dataset)
     prompt_len: int | None  # None: a text prompt whose length only the server knows
     output_len: int
 
@@ -81,6 +86,12 @@ def sample_requests(args, n: int, seed: int, prompt_len: int | None = None) -> l
     """Lengths uniform in [len*(1-r), len]; token ids from [100, 10000), clear of special ids.
     With --prompt, every request sends that text (prompt_len: its length, when known)."""
     rng = random.Random(seed)
+    if args.dataset:
+        with open(args.dataset) as f:
+            convs = [json.loads(line)["messages"] for line in f if line.strip()]
+        first = rng.randrange(len(convs))  # warmups start elsewhere than measured requests
+        return [Request(convs[(first + i) % len(convs)], None, args.output_len)
+                for i in range(n)]
     lo_in = max(1, int(args.input_len * (1 - args.range_ratio)))
     lo_out = max(1, int(args.output_len * (1 - args.range_ratio)))
     reqs = []
@@ -105,19 +116,24 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> np.nda
 
 
 async def send(client: httpx.AsyncClient, args, req: Request) -> Result:
-    payload = {"model": args.model, "prompt": req.prompt, "max_tokens": req.output_len,
+    chat = isinstance(req.prompt, list) and bool(req.prompt) and isinstance(req.prompt[0], dict)
+    payload = {"model": args.model, "max_tokens": req.output_len,
                "temperature": args.temperature, "stream": True,
-               "stream_options": {"include_usage": True}}
+               "stream_options": {"include_usage": True},
+               **({"messages": req.prompt} if chat else {"prompt": req.prompt})}
+    endpoint = "/v1/chat/completions" if chat else args.endpoint
     if args.ignore_eos:
         payload |= {"ignore_eos": True, "min_tokens": req.output_len}
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     approx = len(req.prompt.split()) if isinstance(req.prompt, str) else 0
+    text_of = ((lambda c: (c.get("delta") or {}).get("content")) if chat
+               else (lambda c: c.get("text")))
     res = Result(prompt_len=req.prompt_len or approx)
     usage_tokens = None
     for attempt in range(2):
         res.start = time.perf_counter()
         try:
-            async with client.stream("POST", args.base_url.rstrip("/") + args.endpoint,
+            async with client.stream("POST", args.base_url.rstrip("/") + endpoint,
                                      json=payload, headers=headers) as resp:
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode(errors="replace")
@@ -133,7 +149,7 @@ async def send(client: httpx.AsyncClient, args, req: Request) -> Result:
                         res.error = f"error event: {json.dumps(event['error'])[:500]}"
                         return res
                     choices = event.get("choices")
-                    if choices and choices[0].get("text"):
+                    if choices and text_of(choices[0]):
                         res.chunk_times.append(now)
                     if usage := event.get("usage"):
                         usage_tokens = usage.get("completion_tokens")
@@ -168,6 +184,42 @@ async def tokenize_count(client: httpx.AsyncClient, args, text: str) -> int:
     return body["count"] if "count" in body else len(body["tokens"])
 
 
+SPEC_COUNTERS = {"num_drafts", "num_draft_tokens", "num_accepted_tokens"}
+
+
+async def spec_counters(client: httpx.AsyncClient, args) -> dict[str, float]:
+    """The server's speculative decoding counters from /metrics (xlaserve:spec_decode_* or
+    vllm:spec_decode_*, summed over models); {} when it has none or no /metrics."""
+    base = args.base_url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        resp = await client.get(base + "/metrics", headers=headers)
+    except httpx.HTTPError:
+        return {}
+    if resp.status_code != 200:
+        return {}
+    out: dict[str, float] = {}
+    for line in resp.text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        for prefix in ("xlaserve:spec_decode_", "vllm:spec_decode_"):
+            key = name.removeprefix(prefix).removesuffix("_total")
+            if name.startswith(prefix) and key in SPEC_COUNTERS:
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def spec_summary(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Acceptance rate and mean accepted length (tokens a drafting step gave: the kept drafts
+    and the token sampled after them) over the run."""
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS}
+    if not after or not delta["num_drafts"]:
+        return {}
+    return {"spec_num_drafts": int(delta["num_drafts"]),
+            "spec_num_draft_tokens": int(delta["num_draft_tokens"]),
+            "spec_acceptance_rate": delta["num_accepted_tokens"] / delta["num_draft_tokens"],
+            "spec_mean_accepted_length": 1 + delta["num_accepted_tokens"] / delta["num_drafts"]}
+
+
 async def benchmark(args) -> dict:
     """Warm up, then send the measured requests on schedule; returns the metrics."""
     # The pool never makes a request wait: only the semaphore bounds what is in flight.
@@ -192,11 +244,13 @@ async def benchmark(args) -> dict:
         if failed := [w.error for w in warm if not w.success]:
             raise RuntimeError(f"warmup request failed: {failed[0]}")
         offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, args.seed)
+        spec_before = await spec_counters(client, args)
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(r, t0 + o)
                                          for r, o in zip(requests, offsets, strict=True)))
         duration = time.perf_counter() - t0
-    return summarize(args, requests, results, duration)
+        spec = spec_summary(spec_before, await spec_counters(client, args))
+    return summarize(args, requests, results, duration) | spec
 
 
 def _stats(name: str, values_s: list[float]) -> dict:
@@ -267,6 +321,12 @@ def print_table(res: dict) -> None:
         print("{s:{c}^{n}}".format(s=header, n=50, c="-"))
         for stat, title in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
             row(f"{title} {name} (ms):", res[f"{stat}_{key}_ms"], ".2f")
+    if "spec_num_drafts" in res:
+        print("{s:{c}^{n}}".format(s="Speculative Decoding", n=50, c="-"))
+        row("Acceptance rate (%):", 100 * res["spec_acceptance_rate"], ".2f")
+        row("Acceptance length:", res["spec_mean_accepted_length"], ".2f")
+        row("Drafts:", res["spec_num_drafts"])
+        row("Draft tokens:", res["spec_num_draft_tokens"])
     if "matmul_flops_per_s" in res:
         print("{s:{c}^{n}}".format(s="Machine ceilings (this host)", n=50, c="-"))
         row("Matmul rate (TFLOP/s):", res["matmul_flops_per_s"] / 1e12, ".3f")
@@ -305,6 +365,10 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--text-prompts", action="store_true",
                    help="random text of --input-len common words per request (about one token "
                         "each), for servers that take no token-id prompts (llama-cpp-python)")
+    p.add_argument("--dataset", default=None,
+                   help="conversations from a JSON-lines file ({'messages': [...]} a line), "
+                        "sent to /v1/chat/completions with --output-len tokens each, e.g. "
+                        "tests/data/grounded_prompts.jsonl")
     p.add_argument("--tokenizer-endpoint", action="store_true",
                    help="with --prompt: count its tokens with the server's /tokenize, for "
                         "servers that report no usage.prompt_tokens")
