@@ -27,7 +27,9 @@ leaves no time for are reported as skipped):
    offline engine's TPOT (step 2) and tokens a second (step 4).
 6. with --parity-model: `python -m models.parity` in bfloat16 against a saved transformers
    reference (`--save-reference`, made on a CPU machine), and a greedy chat through
-   `python -m server` serving that model on the device; `--parity-model` and
+   `python -m server` serving that model on the device, and the same model at one stream on
+   tests/data/grounded_prompts.jsonl without and with speculative decoding by prompt lookup
+   (`speculative`: the TPOT ratio and the acceptance); `--parity-model` and
    `--parity-reference` may be given again for more models (parity only, steps `parity_2`...).
 7. the engine bench for the default model's shape (smollm2-135m) at batch 1: TPOT beside
    its matmuls alone (`dense_t1`); then again with the layer loop inside the step's command
@@ -64,6 +66,7 @@ from gpu_check_steps import (
     real_server,
     run_step,
     set_deadline,
+    speculative,
 )
 
 # The steps import the checkout's packages (ops, models) and scripts/bench_servers.py.
@@ -150,6 +153,8 @@ def main(argv=None) -> int:
                                 name="parity" if i == 0 else f"parity_{i + 1}"))
         if i == 0 and wanted("real_server"):
             steps.append(real_server(out, model, dtype, 300 if smoke else 60, smoke))
+        if i == 0 and wanted("speculative"):
+            steps.append(speculative(out, model, dtype, 300 if smoke else 100, smoke))
     if not smoke and wanted("engine_smollm2_135m_b1"):
         steps.append(engine_bench("engine_smollm2_135m_b1", "smollm2-135m", dtype, 1, out, 50,
                                   smoke))

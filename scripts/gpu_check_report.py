@@ -146,6 +146,10 @@ def checks(report: dict) -> list[tuple[str, float | None, str, bool | None]]:
     if net.get("ready_s"):
         check("server ready, warm (from the store), s", net["ready_s"], "<= 15",
               net["ready_s"] <= 15)
+    spec = steps.get("speculative", {}).get("result") or {}
+    if spec.get("speedup"):
+        check("speculative decoding (ngram), one stream: TPOT plain / drafting", spec["speedup"],
+              ">= 1.5", spec["speedup"] >= 1.5)
     for name, step in steps.items():
         agreement = (step.get("result") or {}).get("agreement") if _is_parity(name) else None
         if agreement is not None:

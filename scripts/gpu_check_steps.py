@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE_FIELDS = ("ready_s", "warmup_s", "num_executables", "num_blocks", "matmul_flops_per_s",
                  "copy_bytes_per_s", "read_bytes_per_s", "dense_t1_ms", "median_ttft_ms",
                  "median_tpot_ms", "output_throughput", "ceiling_fraction",
-                 "compilations_after_warmup", "weight_copies")
+                 "compilations_after_warmup", "weight_copies", "spec_acceptance_rate",
+                 "spec_mean_accepted_length")
 # Weight bytes a decode reads per weight, by --quantization (scales and norms: ~0.1-3% more).
 WEIGHT_ITEMSIZE = {"int8": 1, "int4": 0.5}
 
@@ -332,3 +333,34 @@ def real_server(out: Path, model: str, dtype: str, timeout: float, smoke: bool) 
         step["ok"] = "Paris" in step["answer"]
 
     return server_step("real_server", out, model, server_args, timeout, check)
+
+
+def speculative(out: Path, model: str, dtype: str, timeout: float, smoke: bool) -> dict:
+    """A real model at one stream on tests/data/grounded_prompts.jsonl (edits and quoted
+    summaries of a given text), without and with speculative decoding by prompt lookup, one
+    bench after the other: the TPOT ratio and the drafts' acceptance."""
+    step = {"name": "speculative", "ok": True, "runs": {}}
+    n_out = "8" if smoke else "128"
+    for label, extra in (("plain", []), ("ngram", [
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])):
+        name = f"speculative_{label}"
+        cmd = [sys.executable, "-m", "engine.bench", "--model", model, "--dtype", dtype,
+               "--dataset", "tests/data/grounded_prompts.jsonl", "--num-prompts",
+               "1" if smoke else "4", "--concurrency", "1", "--output-len", n_out,
+               "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+               "--max-model-len", "1024", "--output", str(out / f"{name}.json"), *extra]
+        run = run_step(name, cmd, out, timeout / 2)
+        path = out / f"{name}.json"
+        if run["ok"] and path.exists():
+            res = json.loads(path.read_text())
+            run["result"] = {k: res.get(k) for k in ENGINE_FIELDS}
+        step["runs"][label] = run
+        step["ok"] &= run["ok"]
+    plain, ngram = ((step["runs"][k].get("result") or {}).get("median_tpot_ms")
+                    for k in ("plain", "ngram"))
+    if plain and ngram:
+        step["result"] = {"tpot_plain_ms": plain, "tpot_ngram_ms": ngram,
+                          "speedup": plain / ngram, **{
+                              k: step["runs"]["ngram"]["result"].get(k)
+                              for k in ("spec_acceptance_rate", "spec_mean_accepted_length")}}
+    return step
