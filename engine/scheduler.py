@@ -81,10 +81,6 @@ class SchedulerOutput:
         """The head's rows: one per entry, plus one per draft."""
         return sum(s.num_rows for s in self.scheduled)
 
-    @property
-    def drafts(self) -> bool:
-        return any(s.drafts for s in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
