@@ -238,10 +238,13 @@ class InputBatch:
             slot = held[0] if held else self._admit(seq, seeds.get(seq.seq_id, 0), batch.resets)
             slots[i] = slot
             table, have = seq.block_table, self.num_blocks[slot]
-            if len(table) > have:
-                self.page_tables[slot, have:len(table)] = table[have:]
-                self.num_blocks[slot] = len(table)
-            elif len(table) < have:  # pages that held only rejected drafts were freed
+            # Tables grow while a sequence holds its slot, and lose trailing pages when
+            # rejected drafts give theirs back (`table_cut_to`), which may then grow again
+            # with other pages: rewrite from the shortest it was.
+            same = have if seq.table_cut_to is None else min(have, seq.table_cut_to)
+            seq.table_cut_to = None
+            if len(table) != same or same != have:
+                self.page_tables[slot, same:len(table)] = table[same:]
                 self.page_tables[slot, len(table):have] = 0
                 self.num_blocks[slot] = len(table)
         n_new = np.fromiter((e.num_new_tokens for e in entries), np.int32, num_seqs)

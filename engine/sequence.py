@@ -36,6 +36,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache
         self.block_table: list[int] = []
+        # The shortest the block table was cut to (rejected drafts' pages freed) since the
+        # input batch last copied it: from there its copy is stale even at the same length.
+        self.table_cut_to: int | None = None
         self.finish_reason: str | None = None
         self.num_pending = 0  # trailing PENDING tokens: sampled on the device, not yet read
         self.cache_salt = cache_salt  # prefix-cache namespace: only equal salts share blocks

@@ -253,3 +253,35 @@ def test_greedy_with_float32_pages_is_identical_with_drafting(default_gguf):
     stats = drafting.scheduler.spec_stats
     assert stats.num_accepted_tokens > 1000, stats
     assert got[True] == got[False]
+
+
+def test_a_table_cut_by_rejected_drafts_and_grown_again_reaches_the_batch():
+    """Rejected drafts give a page back; another sequence takes it, and the first grows again
+    with a new page at the same index: the step's page table is the sequence's new one."""
+    from engine.batch import InputBatch
+    from engine.block_manager import BlockManager
+    from engine.scheduler import ScheduledSeq, SchedulerOutput
+    from engine.sequence import Sequence, SequenceStatus
+
+    cfg = EngineConfig(model="", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                       block_size=4, num_blocks=20)
+    blocks, batch = BlockManager(cfg.total_blocks, 4), InputBatch(cfg)
+    a = Sequence(list(range(10, 18)), SamplingParams(max_tokens=20), 4)  # 2 blocks
+    blocks.allocate(a)
+    a.status = SequenceStatus.RUNNING
+    step = lambda seq: batch.build(SchedulerOutput([ScheduledSeq(seq, 1, seq.num_tokens - 1,
+                                                                 samples=True)], []), {})
+    a.token_ids += [1, 2, 3]                      # drafts into a third block
+    blocks.may_append(a)
+    step(a)
+    third = a.block_table[2]
+    del a.token_ids[-3:]
+    blocks.trim(a)                                # rejected: the third block is free again
+    b = Sequence([5, 6, 7], SamplingParams(max_tokens=4), 4)
+    blocks.allocate(b)                            # ... and b takes it
+    assert b.block_table == [third]
+    a.token_ids += [4, 5]                         # a grows into a third block again
+    blocks.may_append(a)
+    assert a.block_table[2] != third
+    built = step(a)
+    assert list(built.page_tables[0, :3]) == a.block_table
