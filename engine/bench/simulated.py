@@ -45,7 +45,7 @@ class SimulatedRunner:
 
     def _step(self, batch) -> StepResult:
         start = time.perf_counter()
-        n = batch.num_seqs
+        n = batch.num_rows
         ids = self._next[batch.host_tokens(self._last)[batch.logits_indices[:n]]]
         self._last[batch.sampling["slots"][:n]] = ids
         time.sleep(max(0.0, self.step_s - (time.perf_counter() - start)))
