@@ -28,8 +28,9 @@ from engine.speculative import (
     SpecDecodeStats,
     StepCosts,
     accepted_length,
-    choose_drafts,
+    drafts_that_pay,
     expected_tokens,
+    fit_drafts,
     propose,
 )
 
@@ -163,7 +164,8 @@ class Scheduler:
                     self._draft(entry, min(budget - 1, rows), tokens, gain)
                     num_drafts += len(entry.drafts)
                 if n == seq.num_tokens - seq.num_computed_tokens:  # a decode: it samples
-                    gain += expected_tokens(self._acceptance(seq), len(entry.drafts))
+                    drafter = self._drafters.get(seq.seq_id, Drafter)
+                    gain += expected_tokens(drafter.acceptance, len(entry.drafts))
                 scheduled.append(entry)
                 budget -= entry.num_new_tokens
                 i += 1
@@ -187,7 +189,7 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
         if num_drafts:
-            self._fit_drafts(scheduled, num_drafts)
+            fit_drafts(scheduled, num_drafts, self.config.token_buckets, self.blocks)
         self._trim_to_bucket(scheduled)
         # Sequences with history (computed tokens) first: the reference attention reads
         # history only up to the last row that has any.
@@ -218,21 +220,10 @@ class Scheduler:
                 and seq.num_tokens - seq.num_computed_tokens <= 1
                 and (drafter is None or drafter.ready(seq.num_output_tokens)))
 
-    def _acceptance(self, seq: Sequence) -> float:
-        drafter = self._drafters.get(seq.seq_id)
-        return Drafter.acceptance if drafter is None else drafter.acceptance
-
-    def _bucket(self, num_tokens: int) -> int:
-        return self.config.bucket_for(num_tokens, 1)[0]
-
     def _pays(self, seq: Sequence, tokens: int, gain: float, room: int) -> int:
-        """Drafts (0 .. room) the cost model gives `seq` in a step holding `tokens` tokens and
-        an expected `gain` before it; in full while it probes after having stepped aside."""
-        drafter = self._drafters.get(seq.seq_id)
-        if drafter is not None and drafter.probing:
-            return room
-        return choose_drafts(self._acceptance(seq), room, tokens, gain, self._bucket,
-                             self.step_costs)
+        """Drafts (0 .. room) that pay for `seq` in a step of `tokens` tokens and `gain`."""
+        return drafts_that_pay(self._drafters.get(seq.seq_id), room, tokens, gain,
+                               lambda n: self.config.bucket_for(n, 1)[0], self.step_costs)
 
     def may_speculate(self) -> bool:
         """Whether the next step may draft (the engine then reads the step in flight first, as
@@ -274,25 +265,6 @@ class Scheduler:
         self.blocks.may_append(seq)
         entry.drafts = drafts
         entry.num_new_tokens += len(drafts)
-
-    def _fit_drafts(self, scheduled: list[ScheduledSeq], num_drafts: int) -> None:
-        """Drafts never make a step pay for padding: when they carry the step's tokens past a
-        bucket, the last drafts go (the longest drafts lose theirs first) until the tokens fill
-        that bucket exactly. (One sequence drafting 4 runs 4 tokens, not 5 padded to 8: a
-        token's rows cost about the same whether they hold a draft or padding.)"""
-        total = sum(e.num_new_tokens for e in scheduled)
-        below = max(b for b in self.config.token_buckets if b <= total)
-        excess = total - below
-        if excess == 0 or excess > num_drafts:  # no bucket boundary within the drafts' reach
-            return
-        drafting = [e for e in scheduled if e.drafts]
-        for _ in range(excess):
-            entry = max(drafting, key=lambda e: len(e.drafts))
-            entry.drafts.pop()
-            entry.num_new_tokens -= 1
-            entry.seq.token_ids.pop()
-        for entry in drafting:
-            self.blocks.trim(entry.seq)
 
     def _verify(self, entry: ScheduledSeq, rows: list[int]) -> list[int]:
         """A drafting entry's result: keep the drafts up to the first that differs from the

@@ -225,3 +225,34 @@ class SpecDecodeStats:
     def mean_accepted_length(self) -> float:
         """Tokens a drafting sequence gained per step: accepted drafts + the sampled one."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def drafts_that_pay(drafter: Drafter | None, room: int, tokens: int, gain: float, bucket_of,
+                    costs: StepCosts) -> int:
+    """`choose_drafts` for a sequence's drafter (None: none yet, the prior acceptance); in
+    full while it probes after having stepped aside."""
+    if drafter is not None and drafter.probing:
+        return room
+    acceptance = Drafter.acceptance if drafter is None else drafter.acceptance
+    return choose_drafts(acceptance, room, tokens, gain, bucket_of, costs)
+
+
+def fit_drafts(scheduled, num_drafts: int, token_buckets, blocks) -> None:
+    """Drafts never make a step pay for padding: when they carry the step's tokens (the
+    scheduler's entries) past a bucket, the last drafts go (the longest drafts lose theirs
+    first) until the tokens fill that bucket exactly, and the pages they held are freed. (One
+    sequence drafting 4 runs 4 tokens, not 5 padded to 8: a token's rows cost about the same
+    whether they hold a draft or padding.)"""
+    total = sum(e.num_new_tokens for e in scheduled)
+    below = max(b for b in token_buckets if b <= total)
+    excess = total - below
+    if excess == 0 or excess > num_drafts:  # no bucket boundary within the drafts' reach
+        return
+    drafting = [e for e in scheduled if e.drafts]
+    for _ in range(excess):
+        entry = max(drafting, key=lambda e: len(e.drafts))
+        entry.drafts.pop()
+        entry.num_new_tokens -= 1
+        entry.seq.token_ids.pop()
+    for entry in drafting:
+        blocks.trim(entry.seq)
