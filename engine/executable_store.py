@@ -38,6 +38,7 @@ import tempfile
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import jaxlib
 from jax.experimental import serialize_executable
 
@@ -98,12 +99,15 @@ def _abstract(tree) -> str:
                                  for x in leaves])
 
 
-def fingerprint(config, graphdef, state, kv) -> str:
-    """The key shared by every executable of one runner (the bucket is added per file)."""
+def fingerprint(config, graphdef, state, kv, dtype, kv_dtype) -> str:
+    """The key shared by every executable of one runner (the bucket is added per file).
+    `dtype`, `kv_dtype`: the compute and page dtypes the runner resolved config's to ("auto"
+    and the dtype it chose compile the same steps, so they share them)."""
     devices = jax.devices()
     if jax.default_backend() == "cpu":
         native.available()  # loaded before its identity is read: one key in every process
     fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _IRRELEVANT}
+    fields.update(dtype=str(jnp.dtype(dtype)), kv_cache_dtype=str(jnp.dtype(kv_dtype)))
     parts = [
         jax.__version__, jaxlib.__version__, jax.default_backend(),
         repr([(d.platform, d.device_kind, d.id) for d in devices]),

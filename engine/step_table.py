@@ -151,7 +151,8 @@ class StepTable:
         if store_dir is None:
             return None
         return ExecutableStore(
-            store_dir, fingerprint(config, self.graphdef, self.state, kv),
+            store_dir, fingerprint(config, self.graphdef, self.state, kv, self.dtype,
+                                   self.kv_dtype),
             jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat)
 
     def _load_or_compile(self, store, bucket: tuple[str, int], kv=None):

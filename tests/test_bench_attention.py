@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from engine.bench import attention as bench_attention
 
 
+@pytest.mark.slow  # over a minute: every kernel interpreted (each has tests of its own)
 def test_smoke_runs_every_implementation(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert bench_attention.main(["--smoke", "--output", str(out)]) == 0

@@ -10,6 +10,7 @@ import random
 
 import numpy as np
 import pytest
+from conftest import SERVER_LIMITS
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -27,9 +28,8 @@ def _prompt(rng: random.Random, n_words: int) -> str:
 
 @pytest.fixture(scope="module")
 def engine(default_gguf):
-    cfg = EngineConfig(model=str(default_gguf), dtype="float32", max_model_len=512,
-                       max_num_seqs=16, max_num_batched_tokens=64, block_size=16)
-    eng = LLMEngine(cfg)
+    # The live server's limits: its executables come from the store whoever compiled them.
+    eng = LLMEngine(EngineConfig(model=str(default_gguf), **SERVER_LIMITS))
     eng.runner.warmup()
     return eng
 

@@ -11,10 +11,10 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 
 
-def _config(default_gguf, **overrides) -> EngineConfig:
-    return EngineConfig(model=str(default_gguf), dtype="float32", **{
-        **dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=4, block_size=16,
-               num_blocks=9), **overrides})
+def _config(model, **overrides) -> EngineConfig:
+    return EngineConfig(model=str(model), **{
+        **dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=4,
+               block_size=16, num_blocks=9), **overrides})
 
 
 def _step(runner: ModelRunner) -> np.ndarray:
@@ -30,6 +30,15 @@ def _step(runner: ModelRunner) -> np.ndarray:
     batch.slot_mapping[:2] = [16, 32]
     batch.logits_indices[:2] = [0, 1]
     return runner.run(batch).token_ids
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama: the store's mechanics compiled in seconds (the default model's
+    executables, with our CPU kernels' custom calls, go through the store in the first test)."""
+    from tiny_models import save_tiny_hf
+
+    return save_tiny_hf(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture
@@ -55,23 +64,32 @@ def test_a_second_runner_loads_every_executable_and_computes_the_same(default_gg
     assert second.compilations_after_warmup == 0
 
 
-def test_another_shape_or_a_broken_file_is_compiled(default_gguf, store_dir, caplog):
-    first = ModelRunner(_config(default_gguf))
+def test_another_shape_or_a_broken_file_is_compiled(tiny, store_dir, caplog):
+    first = ModelRunner(_config(tiny))
     first.compile_bucket(("tokens", 2))
-    other = ModelRunner(_config(default_gguf, max_model_len=128))  # wider page tables
+    other = ModelRunner(_config(tiny, max_model_len=128))  # wider page tables
     assert other.store.directory != first.store.directory
     other.compile_bucket(("tokens", 2))
     assert other.num_stored_loads == 0
 
     (first.store.directory / "tokens-2.pkl").write_bytes(b"not a pickle")
-    again = ModelRunner(_config(default_gguf))
+    again = ModelRunner(_config(tiny))
     again.compile_bucket(("tokens", 2))
     assert again.num_stored_loads == 0
     assert "ignoring stored executable" in caplog.text
     # ... and rewritten whole: the next runner loads it.
-    last = ModelRunner(_config(default_gguf))
+    last = ModelRunner(_config(tiny))
     last.compile_bucket(("tokens", 2))
     assert last.num_stored_loads == 1
+
+
+def test_auto_shares_the_steps_of_the_dtypes_it_chose(tiny, store_dir):
+    """On CPU, "auto" is float32 compute and float16 pages: the same key as naming them."""
+    auto = ModelRunner(_config(tiny, dtype="auto", kv_cache_dtype="auto"))
+    named = ModelRunner(_config(tiny, dtype="float32", kv_cache_dtype="float16"))
+    other = ModelRunner(_config(tiny, dtype="float32", kv_cache_dtype="float32"))
+    assert (auto.dtype, auto.kv_dtype) == (named.dtype, named.kv_dtype)
+    assert auto.store.directory == named.store.directory != other.store.directory
 
 
 def test_no_store_when_turned_off(default_gguf, monkeypatch):
@@ -79,7 +97,7 @@ def test_no_store_when_turned_off(default_gguf, monkeypatch):
     assert ModelRunner(_config(default_gguf)).store is None
 
 
-def test_the_least_recently_used_configurations_go_past_the_size_cap(default_gguf, store_dir,
+def test_the_least_recently_used_configurations_go_past_the_size_cap(tiny, store_dir,
                                                                         monkeypatch):
     import os
 
@@ -90,7 +108,7 @@ def test_the_least_recently_used_configurations_go_past_the_size_cap(default_ggu
         if i == 2:  # room for the two before it and nothing more: the oldest goes
             sizes = [sum(f.stat().st_size for f in d.iterdir()) for d in dirs]
             monkeypatch.setattr(executable_store, "MAX_BYTES", sum(sizes) - 1)
-        runner = ModelRunner(_config(default_gguf, max_num_seqs=seqs))
+        runner = ModelRunner(_config(tiny, max_num_seqs=seqs))
         runner.compile_bucket(("seqs", 1))
         os.utime(runner.store.directory, (1000 + i, 1000 + i))  # oldest first
         dirs.append(runner.store.directory)
@@ -98,10 +116,10 @@ def test_the_least_recently_used_configurations_go_past_the_size_cap(default_ggu
     assert kept == sorted(dirs[1:])
 
 
-def test_a_failed_child_leaves_the_compiling_here(default_gguf, store_dir, monkeypatch, caplog):
+def test_a_failed_child_leaves_the_compiling_here(tiny, store_dir, monkeypatch, caplog):
     import sys
 
-    runner = ModelRunner(_config(default_gguf))
+    runner = ModelRunner(_config(tiny))
     monkeypatch.setattr(sys, "executable", "/bin/false")  # the child cannot start
     runner.warmup()
     assert "compiling in a child process failed" in caplog.text

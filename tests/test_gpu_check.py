@@ -1,8 +1,10 @@
 """The GPU bring-up kit runs end to end: `scripts/gpu_check.py --smoke` (the same steps on CPU
 with tiny shapes) passes every step and writes its report. The default run takes the kit's
-engine and server steps and its report; every step (what a GPU session rehearses first)
-runs under `-m slow`: the steps left out of the default run repeat tests of their own
-(tests/test_bench_attention.py, tests/test_pallas_gpu_attention.py, tests/test_quantization.py)."""
+report and its time limits; its steps run under `-m slow` (what a GPU session rehearses
+first): the engine and server steps (the kit's engine and server, rehearsed alone) and every
+step, whose measurements repeat tests of their own (tests/test_bench.py,
+tests/test_bench_serve.py, tests/test_bench_attention.py, tests/test_pallas_gpu_attention.py,
+tests/test_quantization.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def smoke(out: Path, skip: tuple[str, ...] = ()) -> dict:
     return json.loads((out / "gpu_check.json").read_text())
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke_engine_and_server_steps(tmp_path):
     report = smoke(tmp_path, OTHERWISE_TESTED)
     assert [s["name"] for s in report["steps"]] == ["engine_tiny_b1", "engine_tiny_b8", "online"]

@@ -127,7 +127,9 @@ WORDS = "the a sea light keeper engine never sleeps tide stone harbour night".sp
 @pytest.mark.parametrize("kv_dtype, quantization", [
     pytest.param("float32", "auto", marks=pytest.mark.slow),  # CPU's default is float16
     ("float16", "auto"), ("int8", "auto"),
-    ("float16", "w8a8"),  # int8 activations: each row quantized on its own, batch-invariant
+    # int8 activations: each row quantized on its own, batch-invariant (its products in the
+    # engine: test_tensor_parallel's w8a8 split and test_quantization)
+    pytest.param("float16", "w8a8", marks=pytest.mark.slow),
 ])
 def test_engine_writes_prefix_hits_and_preemption_equal_plain_decode(default_gguf, kv_dtype,
                                                                       quantization):

@@ -36,6 +36,15 @@ SHARED = [int(x) for x in rng.integers(1, 256, 24)]
 PROMPTS = [SHARED + [7, 9], SHARED + [200], [int(x) for x in rng.integers(1, 256, 40)],
            [5, 17, 3], [int(x) for x in rng.integers(1, 256, 13)]]
 NEW = 12
+SLOW = pytest.mark.slow
+
+
+def families(default: str):
+    """`tiny` for one family in the default suite and the other behind `slow`: for checks of
+    a mechanism that does not depend on the family (the engine test covers both)."""
+    return pytest.mark.parametrize("tiny", [
+        pytest.param(f, marks=() if f == default else SLOW) for f in ("qwen3", "gemma3")],
+        indirect=True)
 
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3"])
@@ -99,7 +108,10 @@ def test_engine_greedy_equals_transformers_full_forward(tiny):
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
 
 
-@pytest.mark.parametrize("backend", ["pallas-gpu", "pallas-tpu"])
+# Gemma 3's windows through the GPU kernel here; the TPU kernel's windows and soft caps are
+# in test_pallas_tpu_attention.py against the reference.
+@families("gemma3")
+@pytest.mark.parametrize("backend", ["pallas-gpu", pytest.param("pallas-tpu", marks=SLOW)])
 def test_pallas_kernels_match_the_reference(tiny, backend):
     family, path, _ = tiny
     ids = PROMPTS[2]
@@ -110,6 +122,7 @@ def test_pallas_kernels_match_the_reference(tiny, backend):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
+@families("qwen3")  # Gemma 3's unrolled periods: test_every_layer_loop_gives_the_engine...
 def test_unrolled_layers_equal_the_scan(tiny):
     """Unrolled layers (weights sliced at constant indices: the GPU's loop) give the scanned
     layers' logits: Gemma 3's kinds a period at a time and Qwen3's one kind."""
@@ -124,7 +137,8 @@ def test_unrolled_layers_equal_the_scan(tiny):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@families("qwen3")  # Gemma 3's float stack: test_every_layer_loop_gives_the_engine...
+@pytest.mark.parametrize("quantization", [pytest.param(None, marks=SLOW), "int8"])
 def test_stacked_products_equal_the_scan(tiny, quantization):
     """--layer-loop scan-pallas: float and per-channel int8 matrices handed to
     ops/pallas_gpu_matmul as the stack and the layer index (interpreted on CPU, our CPU

@@ -73,7 +73,7 @@ def check_stored(case: Case, kv_dtype: str, blocks=None, **kw) -> None:
 @pytest.mark.parametrize("kv_dtype, kind, group, head_dim, dtype", [
     ("int8", "mixed", 4, 64, jnp.float32),     # prefill chunks and decodes, GQA
     ("int8", "decode", 8, 128, jnp.bfloat16),
-    ("int8", "prefill", 1, 64, jnp.float32),
+    pytest.param("int8", "prefill", 1, 64, jnp.float32, marks=pytest.mark.slow),  # in mixed
     ("fp8", "mixed", 4, 64, jnp.bfloat16),
     ("fp8", "decode", 2, 128, jnp.float32),
 ])
@@ -83,8 +83,10 @@ def test_8bit_pages_match_reference(kv_dtype, kind, group, head_dim, dtype):
     check_stored(case, kv_dtype)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-@pytest.mark.parametrize("sliding_window", [5, 40])
+# Each dtype once by default (int8 with skipped blocks); the other pairs under -m slow.
+@pytest.mark.parametrize("kv_dtype, sliding_window", [
+    ("int8", 5), ("fp8", 40), *(pytest.param(d, w, marks=pytest.mark.slow)
+                                for d, w in [("int8", 40), ("fp8", 5)])])
 def test_8bit_pages_sliding_window_small_blocks(kv_dtype, sliding_window):
     """A window over 8-bit pages, one page a block and two rows an item: the scale slabs
     alternate double-buffer slots with their pages, and blocks wholly before the window

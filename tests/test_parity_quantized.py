@@ -45,6 +45,7 @@ def test_min_agreement_needs_quantization(tmp_path):
         main(["--model", "unused.gguf", "--prompts", str(prompts), "--min-agreement", "0.5"])
 
 
+@pytest.mark.slow  # a minute: the default model and its transformers reference, twice
 def test_int4_default_model_agrees_and_min_agreement_sets_exit_code(default_gguf, tmp_path,
                                                                     capsys, monkeypatch):
     # Both runs load the same two models: load them once (the reference takes ~15 s).

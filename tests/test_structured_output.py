@@ -9,6 +9,7 @@ import json
 
 import jsonschema
 import pytest
+from conftest import SERVER_LIMITS
 
 from engine.config import EngineConfig
 from engine.grammar import GrammarError
@@ -31,9 +32,8 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def engine(default_gguf):
-    cfg = EngineConfig(model=str(default_gguf), dtype="float32", max_model_len=512,
-                       max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
-    eng = LLMEngine(cfg)
+    # The live server's limits: its executables come from the store whoever compiled them.
+    eng = LLMEngine(EngineConfig(model=str(default_gguf), **SERVER_LIMITS))
     eng.runner.warmup()
     return eng
 

@@ -99,11 +99,20 @@ def test_sizes_agree_on_tiny_models(tiny, one_device, size):
     assert dec.generate(IDS, 12)[0] == tokens
 
 
+def one_family(name: str):
+    """`tiny` as `name` alone in the default suite, the other families under -m slow: for a
+    mechanism the family does not change (test_sizes_agree_on_tiny_models splits them all)."""
+    return pytest.mark.parametrize("tiny", [
+        pytest.param(f, marks=() if f == name else SLOW) for f in TINY], indirect=True)
+
+
+@one_family("gemma3")  # one KV head repeated to every shard, sliding and full layers
 def test_pallas_kernel_runs_per_shard(tiny, one_device):
     # The Pallas GPU kernel (interpreted here) under shard_map, one call per device.
     assert _decoder(tiny, 4, backend="pallas").generate(IDS, 8)[0] == one_device[1][:8]
 
 
+@one_family("gemma3")
 @pytest.mark.parametrize("size", [pytest.param(2, marks=SLOW), 8])
 def test_orbax_checkpoint_loads_into_shards(tiny, one_device, size, tmp_path):
     from models.convert import convert
@@ -180,12 +189,12 @@ def test_no_compilation_after_warmup_under_tensor_parallelism(llama_tiny_models,
 SIZES_2_4 = pytest.mark.parametrize("size", [pytest.param(2, marks=SLOW), 4])
 
 
-# Each quantization on one shape by default (int4's groups where KV heads repeat); every pair
-# under -m slow.
+# int4's groups where KV heads repeat, and w8a8 (per-channel int8 weights, as int8's) by
+# default; every pair under -m slow.
 @pytest.mark.parametrize("shape, quantization", [
-    ("mha", "int8"), ("gqa-bias", "int4"), ("mha", "w8a8"),
-    *(pytest.param(shape, q, marks=SLOW)
-      for shape, q in [("gqa-bias", "int8"), ("mha", "int4"), ("gqa-bias", "w8a8")])])
+    ("gqa-bias", "int4"), ("mha", "w8a8"),
+    *(pytest.param(shape, q, marks=SLOW) for shape, q in [
+        ("mha", "int8"), ("gqa-bias", "int8"), ("mha", "int4"), ("gqa-bias", "w8a8")])])
 @SIZES_2_4
 def test_quantized_weights_split_consistently(llama_tiny_models, shape, quantization, size,
                                               monkeypatch):
@@ -203,6 +212,8 @@ def test_quantized_weights_split_consistently(llama_tiny_models, shape, quantiza
     assert dec.generate(IDS, 12)[0] == one.generate(IDS, 12)[0]
 
 
+@pytest.mark.parametrize("llama_tiny", ["gqa-bias", pytest.param("mha", marks=SLOW)],
+                         indirect=True)  # the repeated KV heads' scales split hardest
 @SIZES_2_4
 def test_int8_kv_pages_split_with_their_scales(llama_tiny, size):
     tiny = llama_tiny
