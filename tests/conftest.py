@@ -26,8 +26,8 @@ LONG_MODULES = ("test_tensor_parallel.py", "test_engine.py", "test_kv_cache_dtyp
                 "test_default_model.py", "test_batch_invariance.py", "test_model_families.py",
                 "test_kernels_off.py", "test_multihost.py", "test_server_gemma3.py",
                 "test_pallas_tpu_attention.py", "test_pallas_gpu_attention.py",
-                "test_cpu_attention.py", "test_gpu_check.py", "test_bench_attention.py",
-                "test_parity_quantized.py", "test_fuzz_api.py", "test_security_streams.py")
+                "test_cpu_attention.py", "test_fuzz_api.py", "test_security_streams.py",
+                "test_server_structured.py", "test_attention_backends.py")
 
 
 def pytest_xdist_auto_num_workers(config):
