@@ -112,7 +112,7 @@ class AsyncEngine:
 
     def _build(self) -> LLMEngine:
         engine = self._factory(self.config)
-        engine.runner.warmup()
+        engine.warmup()
         return engine
 
     # ---- front end (event loop) -----------------------------------------------------------
@@ -313,7 +313,7 @@ class AsyncEngine:
         # The dead engine's host bookkeeping stays readable (stats) while its device memory
         # goes before the next one is built: both at once would not fit at a high
         # --gpu-memory-utilization.
-        old.runner.release()
+        old.release()
         while not self._stopping and cluster.lost() is None:
             try:
                 self.engine = self._build()

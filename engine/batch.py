@@ -183,6 +183,7 @@ class InputBatch:
         self.prompt_lens = np.zeros(n + 1, np.int32)
         self.page_tables = np.zeros((n + 1, config.max_blocks_per_seq), np.int32)
         self.num_blocks = np.zeros(n + 1, np.int32)  # filled entries of each page table row
+        self.table_cuts = np.zeros(n + 1, np.int64)  # each copy's Sequence.table_cuts
 
     # ---- slots ------------------------------------------------------------------------
 
@@ -239,10 +240,11 @@ class InputBatch:
             slots[i] = slot
             table, have = seq.block_table, self.num_blocks[slot]
             # Tables grow while a sequence holds its slot, and lose trailing pages when
-            # rejected drafts give theirs back (`table_cut_to`), which may then grow again
-            # with other pages: rewrite from the shortest it was.
-            same = have if seq.table_cut_to is None else min(have, seq.table_cut_to)
-            seq.table_cut_to = None
+            # rejected drafts give theirs back (`table_cuts`), which may then grow again
+            # with other pages: rewrite the copy whole after a cut.
+            same = have
+            if seq.table_cuts != self.table_cuts[slot]:
+                same, self.table_cuts[slot] = 0, seq.table_cuts
             if len(table) != same or same != have:
                 self.page_tables[slot, same:len(table)] = table[same:]
                 self.page_tables[slot, len(table):have] = 0

@@ -200,8 +200,7 @@ class BlockManager:
         """Free the blocks past what seq's tokens need (after rejected drafts were dropped:
         nothing in them was cached, see `mark_computed`)."""
         if len(seq.block_table) > seq.num_blocks:
-            cut = seq.num_blocks
-            seq.table_cut_to = cut if seq.table_cut_to is None else min(seq.table_cut_to, cut)
+            seq.table_cuts += 1
         while len(seq.block_table) > seq.num_blocks:
             block = seq.block_table.pop()
             self._ref_counts[block] -= 1

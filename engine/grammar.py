@@ -112,20 +112,63 @@ class Grammars:
         """A fresh matcher for one sequence following `spec`."""
         return self.compile(spec).deep_copy()
 
-    def fill_mask(self, rows: list[tuple[int, llg.LLMatcher]], num_rows: int) -> np.ndarray:
-        """[num_rows, mask_words(V)] int32: each (row, matcher)'s allowed next tokens; other
-        rows all zero (the step ignores them)."""
+    def fill_mask(self, rows: list[tuple[int, llg.LLMatcher, list[int]]],
+                  num_rows: int) -> np.ndarray:
+        """[num_rows, mask_words(V)] int32: each (row, matcher, drafts)'s allowed next tokens
+        at its row, and with drafts (speculative decoding) after each of them at the rows
+        that follow (the matcher is left as it was); other rows all zero (the step ignores
+        them)."""
         start = time.perf_counter()
         mask = np.zeros((num_rows, mask_words(self.vocab_size)), np.int32)
-        if len(rows) == 1:
-            llg_np.fill_next_token_bitmask(rows[0][1], mask, rows[0][0])
-        elif rows:
+        plain = [(m, r) for r, m, drafts in rows if not drafts]
+        if len(plain) == 1:
+            llg_np.fill_next_token_bitmask(plain[0][0], mask, plain[0][1])
+        elif plain:
             if self._executor is None:
                 self._executor = llg.LLExecutor()
-            llg_np.fill_next_token_bitmask_par(self._executor, [(m, r) for r, m in rows], mask)
+            llg_np.fill_next_token_bitmask_par(self._executor, plain, mask)
+        for row, matcher, drafts in rows:
+            if drafts:
+                fed = 0
+                for j in range(len(drafts) + 1):
+                    llg_np.fill_next_token_bitmask(matcher, mask, row + j)
+                    if j == fed < len(drafts):
+                        fed += feed(matcher, drafts[j:j + 1])
+                matcher.rollback(fed)
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
         return mask
+
+
+def fill_mask_after(grammars: Grammars, rows: list[tuple[int, llg.LLMatcher, list[int]]],
+                    num_rows: int) -> np.ndarray:
+    """Like Grammars.fill_mask, but each (row, matcher, drafts) fills only its row, with the
+    tokens its matcher allows after `drafts` (a draft model drawing the next draft)."""
+    mask = np.zeros((num_rows, mask_words(grammars.vocab_size)), np.int32)
+    for row, matcher, drafts in rows:
+        fed = feed(matcher, drafts)
+        llg_np.fill_next_token_bitmask(matcher, mask, row)
+        matcher.rollback(fed)
+    return mask
+
+
+def feed(matcher: llg.LLMatcher, tokens: list[int]) -> int:
+    """Consume the tokens the grammar allows in a row, up to its end (where the matcher stops:
+    the end-of-sequence token after it would not roll back); returns how many, for the
+    caller's `rollback`. A forbidden token is never fed (it would leave the matcher in error)."""
+    fed = 0
+    for token in tokens[:matcher.validate_tokens(tokens)]:
+        if matcher.is_stopped():
+            break
+        matcher.consume_token(token)
+        fed += 1
+    return fed
+
+
+def allowed_drafts(matcher: llg.LLMatcher, drafts: list[int]) -> int:
+    """How many of `drafts` the grammar allows in a row from the matcher's state (which it
+    leaves as it was)."""
+    return matcher.validate_tokens(drafts)
 
 
 def advance(matcher: llg.LLMatcher, token: int) -> bool:

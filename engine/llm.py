@@ -39,7 +39,7 @@ class LLM:
         spec = parse_model_arg(model)
         config = EngineConfig(model=spec.path, name=spec.name, **engine_args)
         self.llm_engine = LLMEngine(size_kv(config, kv_memory_bytes=kv_memory_bytes))
-        self.llm_engine.runner.warmup()
+        self.llm_engine.warmup()
         self.model_name = spec.name
         self._defaults = sampling_defaults(spec, generation_config, override_generation_config)
         self._chat_template: ChatTemplate | None = None

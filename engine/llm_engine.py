@@ -25,7 +25,8 @@ from collections.abc import Sequence as Seq
 from engine.batch import InputBatch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.grammar import Grammars, advance
+from engine.draft_model import DraftModel
+from engine.grammar import Grammars, advance, allowed_drafts
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, TextState, TokenLogprob, accumulate
 from engine.sampling_params import SamplingParams
@@ -51,9 +52,15 @@ class Request:
         return all(s.is_finished for s in self.seqs)
 
 
+def head_rows(entries) -> list[int]:
+    """Each scheduled entry's first head row (an entry has one, plus one per draft)."""
+    return list(itertools.accumulate((e.num_rows for e in entries), initial=0))[:len(entries)]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
-                 tokenizer: Tokenizer | None = None, detokenize: bool = True):
+                 tokenizer: Tokenizer | None = None, detokenize: bool = True,
+                 draft: DraftModel | None = None):
         self.config = config
         self.detokenize = detokenize
         self.tokenizer = tokenizer or Tokenizer.for_model(config.model)
@@ -68,6 +75,11 @@ class LLMEngine:
         # What steps of each token bucket take (speculative decoding's cost model): the
         # runner's timings at warmup, then the steps that run without overlap.
         self.scheduler.step_costs = StepCosts(getattr(self.runner, "step_seconds", None))
+        # A draft model's runner beside the target's (engine/draft_model.py), over its pages.
+        spec = config.speculative
+        if draft is None and spec is not None and spec.method == "draft_model":
+            draft = DraftModel.for_target(config, self.tokenizer)
+        self.draft = draft
         self.input_batch = InputBatch(config, self.tokenizer.eos_token_ids)
         self.async_scheduling = config.async_scheduling
         self._in_flight = None  # (SchedulerOutput, pending step) dispatched, not yet read
@@ -83,6 +95,19 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._next_id = 0
         self.num_aborted = 0  # requests aborted before they finished (client gone)
+
+    def warmup(self) -> None:
+        """Compile (or load) every executable the steps will run: the target's, and a draft
+        model's (whose drafting round starts the cost model)."""
+        self.runner.warmup()
+        if self.draft is not None:
+            self.scheduler.step_costs.record_round(self.draft.warmup())
+
+    def release(self) -> None:
+        """Free the device memory of the runners now (ModelRunner.release)."""
+        self.runner.release()
+        if self.draft is not None:
+            self.draft.runner.release()
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -157,6 +182,12 @@ class LLMEngine:
             (previous, pending), self._in_flight = self._in_flight, None
             outputs = self._read(previous, pending)
         out = self.scheduler.schedule(speculate)
+        if self.draft is not None:
+            self._draw_drafts(out)
+        for entry in out.scheduled:  # a grammar's drafts: only as far as it allows them
+            if entry.drafts and entry.seq.seq_id in self._matchers:
+                allowed = allowed_drafts(self._matchers[entry.seq.seq_id], entry.drafts)
+                self.scheduler.drop_drafts(entry, len(entry.drafts) - allowed)
         launched = None
         if out.scheduled:
             for entry in out.scheduled:
@@ -165,7 +196,8 @@ class LLMEngine:
                     req.num_cached_tokens = max(req.num_cached_tokens,
                                                 entry.seq.num_cached_tokens)
             batch = self.input_batch.build(out, self._seeds)
-            rows = [(i, self._matchers[e.seq.seq_id]) for i, e in enumerate(out.scheduled)
+            rows = [(row, self._matchers[e.seq.seq_id], list(e.drafts))
+                    for row, e in zip(head_rows(out.scheduled), out.scheduled, strict=True)
                     if e.samples and e.seq.seq_id in self._matchers] if self._matchers else []
             if rows:
                 batch.token_mask = functools.partial(self.grammars.fill_mask, rows,
@@ -179,6 +211,16 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, launched
         return [] if previous is None else self._read(*previous)
 
+    def _draw_drafts(self, out: SchedulerOutput) -> None:
+        """The draft model draws the drafts `out` booked; its rounds' time feeds the cost
+        model."""
+        rounds, start = self.draft.num_rounds, time.perf_counter()
+        self.draft.draw(out, self._seeds,
+                        (self.grammars, self._matchers) if self._matchers else None)
+        if self.draft.num_rounds > rounds:
+            self.scheduler.step_costs.record_round(
+                (time.perf_counter() - start) / (self.draft.num_rounds - rounds))
+
     def _read(self, out: SchedulerOutput, pending,
               timed: tuple[int, float] | None = None) -> list[RequestOutput]:
         """Wait for a dispatched step, record its tokens and build the outputs that changed.
@@ -191,13 +233,13 @@ class LLMEngine:
         if timed is not None:
             self.scheduler.step_costs.record(timed[0], done - timed[1])
         ended = {e.seq.seq_id for e in out.scheduled if e.seq.is_finished}  # while it ran
-        first_rows = list(itertools.accumulate((e.num_rows for e in out.scheduled), initial=0))
+        first_rows = head_rows(out.scheduled)
         ids = result.token_ids.tolist()
         sampled = [ids[r:r + e.num_rows] if e.samples else None
-                   for r, e in zip(first_rows[:-1], out.scheduled, strict=True)]
+                   for r, e in zip(first_rows, out.scheduled, strict=True)]
         self.scheduler.postprocess(out, sampled)
         touched: dict[str, list[int]] = {}
-        for row, entry in zip(first_rows[:-1], out.scheduled, strict=True):
+        for row, entry in zip(first_rows, out.scheduled, strict=True):
             if (not entry.samples or entry.seq.seq_id in ended
                     or entry.seq.seq_id not in self._by_seq):
                 continue

@@ -22,7 +22,7 @@ from collections import deque
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import TO_DRAW, Sequence, SequenceStatus
 from engine.speculative import (
     Drafter,
     SpecDecodeStats,
@@ -211,13 +211,13 @@ class Scheduler:
 
     def _may_draft(self, seq: Sequence) -> bool:
         """Whether a decoding sequence drafts now: not under penalties (their counts are per
-        slot on the device) or a grammar (its mask needs each token before the next), and not
-        while it waits after drafts that gained nothing."""
+        slot on the device), and not while it waits after drafts that gained nothing. (A
+        grammar's drafts are cut where it forbids them, and each verified row gets its mask:
+        the engine's.)"""
         p = seq.params
         drafter = self._drafters.get(seq.seq_id)
-        return (p.structured_outputs is None and p.presence_penalty == 0
-                and p.frequency_penalty == 0 and p.repetition_penalty == 1
-                and seq.num_tokens - seq.num_computed_tokens <= 1
+        return (p.presence_penalty == 0 and p.frequency_penalty == 0
+                and p.repetition_penalty == 1 and seq.num_tokens - seq.num_computed_tokens <= 1
                 and (drafter is None or drafter.ready(seq.num_output_tokens)))
 
     def _pays(self, seq: Sequence, tokens: int, gain: float, room: int) -> int:
@@ -250,7 +250,10 @@ class Scheduler:
         if room < 1:
             return
         drafter = self._drafters.setdefault(seq.seq_id, Drafter())
-        drafts = propose(seq.token_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        if spec.method == "draft_model":  # drawn once the step is booked (engine/draft_model.py)
+            drafts = [TO_DRAW] * room
+        else:
+            drafts = propose(seq.token_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min)
         if not drafts:
             drafter.record(seq.num_output_tokens, 0, 0)
             return
@@ -265,6 +268,18 @@ class Scheduler:
         self.blocks.may_append(seq)
         entry.drafts = drafts
         entry.num_new_tokens += len(drafts)
+
+    def drop_drafts(self, entry: ScheduledSeq, n: int) -> None:
+        """Take the last n drafts out of a booked step (a grammar forbids them): their
+        positions and pages go; the token to sample stays last."""
+        if n <= 0:
+            return
+        seq = entry.seq
+        del seq.token_ids[entry.end - n:entry.end]
+        del entry.drafts[-n:]
+        entry.num_new_tokens -= n
+        seq.num_computed_tokens -= n
+        self.blocks.trim(seq)
 
     def _verify(self, entry: ScheduledSeq, rows: list[int]) -> list[int]:
         """A drafting entry's result: keep the drafts up to the first that differs from the

@@ -10,6 +10,9 @@ from engine.sampling_params import SamplingParams
 # The value a sampled token holds in `token_ids` from the step that samples it (dispatched)
 # until the host reads it back (one step later when steps overlap).
 PENDING = -1
+# A draft booked into a step whose token the draft model has yet to draw (between the
+# scheduler's booking and engine/draft_model.py's drafting, within one engine step).
+TO_DRAW = -2
 
 
 class SequenceStatus(enum.Enum):
@@ -36,9 +39,10 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache
         self.block_table: list[int] = []
-        # The shortest the block table was cut to (rejected drafts' pages freed) since the
-        # input batch last copied it: from there its copy is stale even at the same length.
-        self.table_cut_to: int | None = None
+        # How often the block table lost trailing pages (rejected drafts' pages freed): an
+        # input batch that copied it at fewer cuts rewrites its copy, stale even at the same
+        # length (the target's and a draft model's batches each keep one).
+        self.table_cuts = 0
         self.finish_reason: str | None = None
         self.num_pending = 0  # trailing PENDING tokens: sampled on the device, not yet read
         self.cache_salt = cache_salt  # prefix-cache namespace: only equal salts share blocks

@@ -1,5 +1,6 @@
-"""Speculative decoding by prompt lookup (n-gram): the configuration, the proposer and when a
-sequence drafts.
+"""Speculative decoding: the configuration, prompt lookup (n-gram) and when a sequence
+drafts; a draft model's drafts are drawn by engine/draft_model.py into the positions the
+scheduler books for them, and verified here the same way.
 
 A sequence that drafts brings its last token and k proposed tokens to a step as one ragged
 chunk; the head samples a token after each of those k + 1 positions, every row with the key
@@ -33,15 +34,18 @@ import json
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `--speculative-config` keys for prompt lookup."""
+    """vLLM's `--speculative-config` keys for prompt lookup and for a draft model."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4   # k: tokens proposed per step
+    # draft_model: a smaller model of the target's vocabulary (a path or a known model's
+    # name; engine/draft_model.py). Given alone, it sets the method, as in vLLM.
+    model: str | None = None
     prompt_lookup_max: int = 4        # longest suffix looked up in the sequence so far
     prompt_lookup_min: int = 1        # shortest
     # Sequences in a step up to which drafting runs (a larger batch is compute-bound already
@@ -60,6 +64,9 @@ class SpeculativeConfig:
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.max_seqs is not None and self.max_seqs < 1:
             raise ValueError(f"max_seqs must be positive, got {self.max_seqs}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError('--speculative-config: a draft model is {"model": PATH_OR_NAME, '
+                             '"num_speculative_tokens": k}; prompt lookup takes no model')
 
     @classmethod
     def parse(cls, text: str | dict | None) -> SpeculativeConfig | None:
@@ -73,17 +80,19 @@ class SpeculativeConfig:
                 raise ValueError(f"--speculative-config is not JSON: {e}") from None
         if not isinstance(text, dict):
             raise ValueError("--speculative-config must be a JSON object")
-        if "model" in text:
-            raise ValueError("--speculative-config: draft models are not supported yet; use "
-                             '{"method": "ngram", "num_speculative_tokens": k}')
+        if "model" in text and "method" not in text:
+            text = {**text, "method": "draft_model"}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(text) - known)
         if unknown:
             raise ValueError(f"--speculative-config: unknown keys {', '.join(unknown)} "
                              f"(known: {', '.join(sorted(known))})")
         for key, value in text.items():
-            if key != "method" and value is not None and (
-                    not isinstance(value, int) or isinstance(value, bool)):
+            if key in ("method", "model"):
+                if not isinstance(value, str) or not value:
+                    raise ValueError(f"--speculative-config: {key} must be a non-empty string, "
+                                     f"got {value!r}")
+            elif value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"--speculative-config: {key} must be an integer, got {value!r}")
         return cls(**text)
 
@@ -150,12 +159,18 @@ class Drafter:
 class StepCosts:
     """Seconds a step of each token bucket takes: timed once at warmup (the runner's
     `step_seconds`, on padding), then a moving average of the steps that ran without overlap
-    (submit to result)."""
+    (submit to result). With a draft model, also what one of its drafting rounds takes
+    (`draft_round`: a token for each drafting sequence), k rounds for k drafts."""
 
     RATE = 0.1
 
     def __init__(self, seconds: dict[int, float] | None = None):
         self.seconds = seconds if seconds is not None else {}  # (the runner's, filled at warmup)
+        self.draft_round: float | None = None
+
+    def record_round(self, seconds: float) -> None:
+        old = self.draft_round
+        self.draft_round = seconds if old is None else old + self.RATE * (seconds - old)
 
     def record(self, bucket: int, seconds: float) -> None:
         old = self.seconds.get(bucket)
@@ -183,6 +198,7 @@ def choose_drafts(acceptance: float, room: int, tokens: int, gain: float,
         cost = costs.of(bucket_of(tokens + 1 + k)) or base
         if cost is None:  # nothing timed at all: draft in full
             return room
+        cost += k * (costs.draft_round or 0.0)
         rate = (gain + expected_tokens(acceptance, k)) / cost
         if best_rate is None or rate > best_rate * 1.0001:
             best, best_rate = k, rate

@@ -131,10 +131,11 @@ def parser() -> argparse.ArgumentParser:
                         "seeded request samples the same tokens alone or under load (CPU; "
                         "slower: see docs/serving.md)")
     p.add_argument("--speculative-config", metavar="JSON", default=None,
-                   help='speculative decoding by prompt lookup, vLLM\'s keys: \'{"method": '
+                   help='speculative decoding, vLLM\'s keys: prompt lookup \'{"method": '
                         '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                        '"prompt_lookup_min": 1}\' (off by default; drafts only while a step '
-                        'has few sequences; docs/serving.md)')
+                        '"prompt_lookup_min": 1}\' or a draft model of the same vocabulary '
+                        '\'{"model": PATH_OR_NAME, "num_speculative_tokens": 4}\' (off by '
+                        'default; drafts only while a step has few sequences; docs/serving.md)')
     p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                    help="auto: a request that leaves temperature, top_p, top_k, min_p or "
                         "repetition_penalty unset gets the model's recommended value (an HF "

@@ -7,6 +7,7 @@ One warmed-up engine serves the module; every test must leave all KV blocks free
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from conftest import SERVER_LIMITS
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from models.generate import GreedyDecoder
 
 GAP = 1e-3
@@ -342,41 +343,67 @@ def test_penalties_match_a_host_reference_across_reused_slots(engine, plain):
 
 
 def test_speculative_steps_give_the_same_outputs(engine, plain):
-    """Drafting by prompt lookup (engine/speculative.py) changes no output: the mixed workload
+    """Drafting by prompt lookup (engine/speculative.py) and by a draft model (the default
+    model drafting for itself, engine/draft_model.py) changes no output: the mixed workload
     beside prompts that repeat themselves (so drafts are found, kept and rejected), greedy and
     seeded, with logprobs, stops and n > 1; no compilation; the greedy prompts equal plain
-    decoding."""
+    decoding. The draft model's drafts are nearly all kept (its K/V kept in step with the
+    target's through preemption-free rounds, rollbacks and prefix-cache hits)."""
     import dataclasses
 
     from fakes import EqualCosts
 
+    from engine.draft_model import DraftModel
+    from engine.model_runner import ModelRunner
+
     prompts, params = _mixed_workload(engine.tokenizer)
     copy = "Copy this list exactly: apple, river, stone, cloud, apple, river, stone, cloud. "
-    prompts = prompts + [copy * 2, "1 2 3 4 1 2 3 4 1 2 3", copy]
+    words = "(apple|river|stone|cloud)"
+    listed = StructuredOutputsParams(regex=f" ?{words}(, {words}){{0,11}}\\.")
+    prompts = prompts + [copy * 2, "1 2 3 4 1 2 3 4 1 2 3", copy, copy]
     params = params + [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                        SamplingParams(temperature=0.8, seed=21, max_tokens=40, logprobs=1),
-                       SamplingParams(temperature=0, max_tokens=30, stop=["stone"])]
+                       SamplingParams(temperature=0, max_tokens=30, stop=["stone"]),
+                       # a grammar: drafts cut where it forbids them, each verified row masked
+                       SamplingParams(temperature=0.7, seed=4, max_tokens=40,
+                                      structured_outputs=listed)]
     compiled = engine.runner.compilations_after_warmup
-    got, logprobs, stats = {}, {}, None
-    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+    # The draft: the same model and limits, so its executables come from the store.
+    draft = DraftModel(engine.config, ModelRunner(engine.config), engine.tokenizer.eos_token_ids)
+    draft.warmup()
+    got, logprobs, stats = {}, {}, {}
+    for name, spec in [("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4}),
+                       ("draft", {"model": engine.config.model, "num_speculative_tokens": 3})]:
         cfg = dataclasses.replace(engine.config, speculative=spec)
-        eng = LLMEngine(cfg, runner=engine.runner, tokenizer=engine.tokenizer)
+        eng = LLMEngine(cfg, runner=engine.runner, tokenizer=engine.tokenizer,
+                        draft=draft if name == "draft" else None)
         eng.scheduler.step_costs = EqualCosts()  # drafting as on an accelerator at batch 1
         outs = eng.generate(prompts, params)
+        # the grammar alone (drafting only while a step has few sequences): its drafts
+        drafted = eng.scheduler.spec_stats.num_accepted_tokens
+        outs += eng.generate(prompts[-1:], params[-1:])
+        grammar_kept = eng.scheduler.spec_stats.num_accepted_tokens - drafted
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
         eng.block_manager.check_invariants()
-        got[spec is None] = [[(c.token_ids, c.text, c.finish_reason,
-                               [lp.token_id for lp in c.logprobs or []]) for c in o.outputs]
-                             for o in outs]
-        logprobs[spec is None] = [lp.logprob for o in outs for c in o.outputs
-                                  for lp in c.logprobs or []]
-        stats = eng.scheduler.spec_stats
-    assert got[False] == got[True]
-    np.testing.assert_allclose(logprobs[False], logprobs[True], atol=2e-3)
-    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        got[name] = [[(c.token_ids, c.text, c.finish_reason,
+                       [lp.token_id for lp in c.logprobs or []]) for c in o.outputs]
+                     for o in outs]
+        logprobs[name] = [lp.logprob for o in outs for c in o.outputs for lp in c.logprobs or []]
+        stats[name] = eng.scheduler.spec_stats
+        assert name == "plain" or grammar_kept > 0, name
+    for name in ("ngram", "draft"):
+        assert got[name] == got["plain"], name
+        np.testing.assert_allclose(logprobs[name], logprobs["plain"], atol=2e-3)
+    assert 0 < stats["ngram"].num_accepted_tokens < stats["ngram"].num_draft_tokens
+    assert stats["draft"].num_accepted_tokens >= 0.9 * stats["draft"].num_draft_tokens > 0
     assert engine.runner.compilations_after_warmup == compiled
-    assert_greedy_equal(got[False][-3][0][0],
-                        plain.generate(engine.tokenizer.encode(prompts[-3]), 40))
+    assert draft.runner.compilations_after_warmup == 0 and draft.runner.num_stored_loads > 0
+    draft.runner.release()
+    assert_greedy_equal(got["plain"][-5][0][0],
+                        plain.generate(engine.tokenizer.encode(prompts[-4]), 40))
+    assert got["plain"][-1] == got["plain"][-2]  # the grammar alone as in the batch
+    text = got["plain"][-1][0][1]
+    assert re.fullmatch(listed.regex, text) and text.count(",") >= 2, text
 
 
 @pytest.mark.slow

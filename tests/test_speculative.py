@@ -4,12 +4,15 @@ computed by hand. On the real model: tests/test_engine.py's speculative steps te
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
+import numpy as np
 import pytest
 from fakes import EqualCosts, FakeRunner
 
 from engine.config import EngineConfig
+from engine.draft_model import DraftModel, check_vocabulary
 from engine.llm_engine import LLMEngine
 from engine.outputs import accumulate
 from engine.sampling_params import SamplingParams
@@ -50,9 +53,14 @@ def test_the_flag_takes_vllms_keys_and_refuses_the_rest_clearly():
                        ('{"num_speculative_tokens": "4"}', "must be an integer"),
                        ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
                        ('{"speculative_tokens": 3}', "unknown keys speculative_tokens"),
-                       ('{"model": "qwen", "num_speculative_tokens": 3}', "draft models")]:
+                       ('{"model": 3}', "model must be a non-empty string"),
+                       ('{"method": "ngram", "model": "m"}', "prompt lookup takes no model"),
+                       ('{"method": "draft_model"}', "a draft model is")]:
         with pytest.raises(ValueError, match=words):
             SpeculativeConfig.parse(bad)
+    draft = SpeculativeConfig.parse('{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 3}')
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == (
+        "draft_model", "qwen2.5-coder-0.5b", 3)
 
 
 def test_acceptance_and_backoff():
@@ -69,16 +77,36 @@ def test_acceptance_and_backoff():
     assert d.ready(13) and d.backoff == 1
 
 
-def _run(speculative, overlap=True, num_blocks=41, abort_at=None, **params):
+class WrongDraft(FakeRunner):
+    """A draft model that is the fake model but for the tokens it draws at positions that are
+    a multiple of 3: last + 2 there."""
+
+    def __init__(self):
+        super().__init__(modulus=10)
+        self.rows = 0  # head rows drawn
+
+    def run(self, batch):
+        result = super().run(batch)
+        n = batch.num_rows
+        self.rows += n
+        at = batch.positions[batch.logits_indices[:n]] + 1
+        ids = np.where(at % 3 == 0, (result.token_ids + 1) % 10, result.token_ids)
+        return dataclasses.replace(result, token_ids=ids.astype(np.int32))
+
+
+def _run(speculative, overlap=True, num_blocks=41, abort_at=None, draft=None, **params):
     """Six requests through an engine on a fake model with next = (last + 1) % 10, whose
     prompts repeat that cycle in part (drafts from the prompt are kept for a while, then
     rejected); returns each request's (tokens, finish reason), the engine's speculation
-    counters and preemptions."""
+    counters and preemptions. `draft`: a draft model's fake runner."""
     cfg = EngineConfig(model="fake", max_model_len=64, max_num_seqs=12,
                        max_num_batched_tokens=32, block_size=4, num_blocks=num_blocks,
                        async_scheduling=overlap, speculative=speculative)
     tokenizer = types.SimpleNamespace(eos_token_ids=frozenset({EOS}), vocab_size=10**6)
-    eng = LLMEngine(cfg, runner=FakeRunner(modulus=10), tokenizer=tokenizer, detokenize=False)
+    drafter = None if draft is None else DraftModel(
+        dataclasses.replace(cfg, speculative=None), draft, tokenizer.eos_token_ids)
+    eng = LLMEngine(cfg, runner=FakeRunner(modulus=10), tokenizer=tokenizer, detokenize=False,
+                    draft=drafter)
     eng.scheduler.step_costs = EqualCosts()
     prompts = [[3, 4, 5, 9, 9, 0, 1, 3, 4], [5, 6, 7, 8, 9, 0, 1, 5, 6, 7],
                [1, 3, 4, 5, 6, 7, 1, 3], [0, 1, 2, 3, 4, 5], [8, 9, 8, 9], [6, 7, 8, 6, 7, 8, 6]]
@@ -285,3 +313,50 @@ def test_a_table_cut_by_rejected_drafts_and_grown_again_reaches_the_batch():
     assert a.block_table[2] != third
     built = step(a)
     assert list(built.page_tables[0, :3]) == a.block_table
+
+
+DRAFTING = {"model": "fake-draft", "num_speculative_tokens": 4, "max_seqs": 8}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_draft_model_gives_the_same_tokens_in_fewer_steps(overlap):
+    """A draft model (engine/draft_model.py) that is right but at every third position: the
+    target's tokens, to the last; the rejected drafts' pages freed (_run checks)."""
+    want, _, _, plain_steps = _run(None, overlap)
+    right, stats, _, steps = _run(DRAFTING, overlap, draft=FakeRunner(modulus=10))
+    assert right == want and steps < plain_steps
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # every draft kept
+    wrong = WrongDraft()
+    got, stats, _, _ = _run(DRAFTING, overlap, draft=wrong)
+    assert got == want and wrong.rows > 0
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_a_draft_model_under_preemption_aborts_and_stops():
+    """Preemption (the draft's K/V of a preempted sequence is written again from its start),
+    an abort, and stops inside the drafts: the outputs without speculation."""
+    want, _, _, _ = _run(None, num_blocks=17, abort_at=5)
+    got, stats, preemptions, _ = _run(DRAFTING, num_blocks=17, abort_at=5, draft=WrongDraft())
+    assert preemptions > 0 and stats.num_accepted_tokens > 0
+    got.pop("req-2"), want.pop("req-2")  # aborted (drafting reaches further by that step)
+    assert got == want
+    for params in [dict(ignore_eos=False), dict(stop_token_ids=[7]), dict(min_tokens=4)]:
+        want, _, _, _ = _run(None, **params)
+        got, stats, _, _ = _run(DRAFTING, draft=WrongDraft(), **params)
+        assert got == want and stats.num_accepted_tokens > 0, params
+
+
+def test_a_draft_model_must_share_the_targets_vocabulary():
+    def tokenizer(pieces):
+        return types.SimpleNamespace(vocab_size=len(pieces), id_to_token=pieces.__getitem__,
+                                     convert_ids_to_tokens=lambda ids: [pieces[i] for i in ids])
+
+    target = tokenizer(["a", "b", "c"])
+    check_vocabulary(target, tokenizer(["a", "b", "c"]), "same")
+    with pytest.raises(ValueError, match="vocabulary of 2 tokens, the target 3"):
+        check_vocabulary(target, tokenizer(["a", "b"]), "short")
+    with pytest.raises(ValueError, match="names token 1 'x', the target 'b'"):
+        check_vocabulary(target, tokenizer(["a", "x", "c"]), "other")
+    with pytest.raises(FileNotFoundError, match="draft model no/such/model does not exist"):
+        DraftModel.for_target(EngineConfig(model="m", speculative={"model": "no/such/model"}),
+                              target)

@@ -137,3 +137,34 @@ def test_exactly_one_kind_of_structure():
         Structured()
     with pytest.raises(SamplingParamsError, match="non-empty"):
         Structured(choice=[])
+
+
+def test_drafts_masks_are_each_rows_and_leave_the_matcher_as_it_was(tokenizer):
+    """Speculative decoding: the mask of each row after drafts (the grammar's state after the
+    drafts before it), drafts past the grammar's end not fed (an end-of-sequence token would
+    not roll back), and the matcher left where it was."""
+    import numpy as np
+
+    from engine.grammar import Grammars, allowed_drafts, fill_mask_after
+
+    grammars = Grammars(tokenizer, tokenizer.vocab_size)
+    words = "(apple|river|stone|cloud)"
+    matcher = grammars.matcher(Structured(regex=f" ?{words}(, {words}){{0,3}}\\."))
+    for token in tokenizer.encode(" apple, river", add_special_tokens=False):
+        assert matcher.consume_token(token)
+    comma, dot = tokenizer.encode(",", add_special_tokens=False) + tokenizer.encode(
+        ".", add_special_tokens=False)
+    eos = min(tokenizer.eos_token_ids)
+
+    def allowed(mask, row):
+        bits = np.unpackbits(mask[row].view(np.uint8), bitorder="little")
+        return set(np.flatnonzero(bits[:tokenizer.vocab_size]).tolist())
+
+    drafts = [dot, eos, eos]
+    assert allowed_drafts(matcher, drafts) == 2  # one end: the second is past it
+    mask = grammars.fill_mask([(1, matcher, drafts)], 5)
+    assert not allowed(mask, 0) and allowed(mask, 1) == {comma, dot}
+    assert allowed(mask, 2) == allowed(mask, 3) == allowed(mask, 4) == {eos}
+    assert allowed(fill_mask_after(grammars, [(0, matcher, [comma])], 1), 0) >= {
+        tokenizer.encode(" stone", add_special_tokens=False)[0]}
+    assert allowed_drafts(matcher, [dot]) == 1 and not matcher.is_stopped()  # as it was

@@ -323,7 +323,7 @@ def main(argv=None) -> int:
     built = time.perf_counter()
     engine = build_engine(args)
     start = time.perf_counter()
-    engine.runner.warmup()
+    engine.warmup()
     warmup_s = time.perf_counter() - start
     ready_s = time.perf_counter() - built  # weights made or loaded, KV pool, warmup
     cfg = engine.runner.model_config

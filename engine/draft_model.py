@@ -1,0 +1,166 @@
+"""Speculative decoding with a draft model: a smaller model of the target's vocabulary draws
+the k tokens a decode brings to the target's step (engine/speculative.py verifies them).
+
+The scheduler books a drafting decode's k positions as TO_DRAW (engine/scheduler.py), and
+before the step is built the draft model draws them: one step of the draft model gives
+every drafting sequence its first draft, then k - 1 one-token steps the rest. Each draft is
+drawn as the target will draw that position: with the target's sampling parameters and the
+key of the position (seed, output index; ops.sampling_metadata.row_keys), so where the two
+models' distributions agree, their draws (inverse CDFs at one uniform) agree, and the
+target keeps the draft. The target keeps a draft only where its own draw is that token, so
+the output is the target's draws: identical to a run without speculation, greedy or
+seeded, and distributed as the target's.
+
+The draft model has its own runner (its own compile table, executables and KV pool) over
+the target's page tables: the same pages, each holding the draft's K/V in its own pool. A
+sequence's draft K/V is written only while it drafts: `_computed` counts the tokens written
+for it, and the first step of a drafting round brings the tokens since (the whole prompt
+when it first drafts, in chunks of the step budget; after a round, the last draft and the
+sampled token, or just the sampled token when drafts were rejected). A preempted sequence
+starts again from nothing, since its pages changed; pages from the prefix cache are
+recomputed too, their draft K/V being whatever the draft last wrote there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from pathlib import Path
+
+from engine.batch import InputBatch, empty_batch
+from engine.config import EngineConfig
+from engine.distributed import is_distributed
+from engine.grammar import Grammars, fill_mask_after
+from engine.model_runner import ModelRunner
+from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.sequence import SequenceStatus
+from models.known_models import KNOWN_MODELS, fetch_model
+from models.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def draft_path(name: str) -> str:
+    """A draft model's files: a path, or a known model's name (fetched if missing)."""
+    if name in KNOWN_MODELS:
+        return str(fetch_model(name))
+    if not Path(name).exists():
+        raise FileNotFoundError(f"--speculative-config: draft model {name} does not exist "
+                                f"(a path, or one of {', '.join(sorted(KNOWN_MODELS))})")
+    return name
+
+
+def check_vocabulary(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:
+    """The draft must name every token as the target does: the same id, the same piece."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"draft model {draft_name} has a vocabulary of {draft.vocab_size} "
+                         f"tokens, the target {target.vocab_size}: a draft model must share "
+                         "the target's vocabulary")
+    ids = range(target.vocab_size)
+    if draft.convert_ids_to_tokens(ids) != target.convert_ids_to_tokens(ids):
+        first = next(i for i in ids if draft.id_to_token(i) != target.id_to_token(i))
+        raise ValueError(f"draft model {draft_name} names token {first} "
+                         f"{draft.id_to_token(first)!r}, the target {target.id_to_token(first)!r}:"
+                         " a draft model must share the target's vocabulary")
+
+
+class DraftModel:
+    """The draft model's runner and its record of what it computed (module docstring)."""
+
+    def __init__(self, config: EngineConfig, runner, eos_token_ids: frozenset[int]):
+        self.config = config  # the draft's: the target's limits and pages, its own model
+        self.runner = runner
+        self.input_batch = InputBatch(config, eos_token_ids)
+        self._computed: dict[int, int] = {}  # seq_id -> tokens whose draft K/V is written
+        self.num_rounds = 0
+
+    @classmethod
+    def for_target(cls, target: EngineConfig, tokenizer: Tokenizer) -> DraftModel:
+        """Load the draft model of `target.speculative` for `target` (whose num_blocks is
+        set: the draft's pool has the same pages)."""
+        spec = target.speculative
+        if is_distributed():
+            raise ValueError("--speculative-config: a draft model runs on one host (not in a "
+                             "multi-host run yet)")
+        if target.tensor_parallel_size > 1:
+            raise ValueError("--speculative-config: a draft model runs on one device "
+                             "(tensor parallelism is not supported with it yet)")
+        path = draft_path(spec.model)
+        check_vocabulary(tokenizer, Tokenizer.for_model(path), spec.model)
+        config = dataclasses.replace(target, model=path, name=None, speculative=None)
+        logger.info("Loading the draft model %s", path)
+        return cls(config, ModelRunner(config), tokenizer.eos_token_ids)
+
+    def warmup(self) -> float:
+        """Compile (or load) the draft's executables; returns the seconds of one drafting
+        round of one sequence (a one-token step), the cost model's starting point."""
+        self.runner.warmup()
+        batch = empty_batch(self.config, self.config.bucket_for(1, 1))
+        runs = []
+        for _ in range(2):
+            start = time.perf_counter()
+            self.runner.run(batch)
+            runs.append(time.perf_counter() - start)
+        return min(runs)
+
+    def draw(self, out: SchedulerOutput, seeds: dict[int, int],
+             grammar: tuple[Grammars, dict] | None = None) -> None:
+        """Draw the drafts booked (TO_DRAW) in `out`, in place: into each entry's `drafts` and
+        its sequence's tokens. `grammar`: (the engine's Grammars, seq_id -> matcher): a
+        sequence that follows one draws each draft under its mask after the drafts before."""
+        for seq in out.preempted:
+            self._computed.pop(seq.seq_id, None)
+        for seq_id in [i for i, (_, s) in self.input_batch.seqs.items()
+                       if s.status is not SequenceStatus.RUNNING]:
+            self._computed.pop(seq_id, None)
+        entries = [e for e in out.scheduled if e.drafts]
+        if not entries:
+            return
+        by_id = {e.seq.seq_id: e for e in entries}
+        for e in entries:  # K/V past the target's computed tokens is of rejected drafts
+            sid = e.seq.seq_id
+            self._computed[sid] = min(self._computed.get(sid, 0), e.start)
+        # The first round: each sequence's tokens since its draft K/V, through the last one.
+        budget = self.config.max_num_batched_tokens
+        behind = list(entries)
+        while behind:
+            chunks, left = [], budget
+            for e in behind:
+                if left == 0 or len(chunks) == self.config.max_num_seqs:
+                    break
+                done = self._computed[e.seq.seq_id]
+                n = min(e.start + 1 - done, left)
+                chunks.append(ScheduledSeq(e.seq, n, done, samples=done + n == e.start + 1))
+                left -= n
+            self._run(chunks, by_id, 0, seeds, grammar)
+            behind = [e for e in behind if self._computed[e.seq.seq_id] < e.start + 1]
+        # Then one token a round: the draft before it.
+        for j in range(1, max(len(e.drafts) for e in entries)):
+            chunks = [ScheduledSeq(e.seq, 1, e.start + j, samples=True) for e in entries
+                      if len(e.drafts) > j]
+            self._run(chunks, by_id, j, seeds, grammar)
+
+    def _run(self, chunks: list[ScheduledSeq], entries: dict[int, ScheduledSeq], j: int,
+             seeds: dict[int, int], grammar) -> None:
+        """One step of the draft model over `chunks`; a chunk that samples draws its entry's
+        draft j (the token at position entry.start + 1 + j)."""
+        batch = self.input_batch.build(SchedulerOutput(chunks, []), seeds)
+        if grammar is not None:
+            grammars, matchers = grammar
+            rows = [(row, matchers[c.seq.seq_id], entries[c.seq.seq_id].drafts[:j])
+                    for row, c in enumerate(chunks) if c.samples and c.seq.seq_id in matchers]
+            if rows:
+                batch.token_mask = functools.partial(fill_mask_after, grammars, rows,
+                                                     batch.bucket[1])
+        result = self.runner.run(batch)
+        self.num_rounds += 1
+        for row, chunk in enumerate(chunks):
+            sid = chunk.seq.seq_id
+            self._computed[sid] = chunk.end
+            if chunk.samples:
+                entry = entries[sid]
+                token = int(result.token_ids[row])
+                entry.drafts[j] = token
+                entry.seq.token_ids[entry.start + 1 + j] = token
