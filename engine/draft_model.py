@@ -75,6 +75,9 @@ class DraftModel:
         self.input_batch = InputBatch(config, eos_token_ids)
         self._computed: dict[int, int] = {}  # seq_id -> tokens whose draft K/V is written
         self.num_rounds = 0
+        # Seconds of each drafting round of the last `draw` that brought each sequence one or
+        # two tokens (what a round costs once caught up; catching up a prompt is not one).
+        self.round_seconds: list[float] = []
 
     @classmethod
     def for_target(cls, target: EngineConfig, tokenizer: Tokenizer) -> DraftModel:
@@ -115,6 +118,7 @@ class DraftModel:
         for seq_id in [i for i, (_, s) in self.input_batch.seqs.items()
                        if s.status is not SequenceStatus.RUNNING]:
             self._computed.pop(seq_id, None)
+        self.round_seconds = []
         entries = [e for e in out.scheduled if e.drafts]
         if not entries:
             return
@@ -146,6 +150,7 @@ class DraftModel:
              seeds: dict[int, int], grammar) -> None:
         """One step of the draft model over `chunks`; a chunk that samples draws its entry's
         draft j (the token at position entry.start + 1 + j)."""
+        start = time.perf_counter()
         batch = self.input_batch.build(SchedulerOutput(chunks, []), seeds)
         if grammar is not None:
             grammars, matchers = grammar
@@ -156,6 +161,8 @@ class DraftModel:
                                                      batch.bucket[1])
         result = self.runner.run(batch)
         self.num_rounds += 1
+        if max(c.num_new_tokens for c in chunks) <= 2:
+            self.round_seconds.append(time.perf_counter() - start)
         for row, chunk in enumerate(chunks):
             sid = chunk.seq.seq_id
             self._computed[sid] = chunk.end

@@ -214,12 +214,10 @@ class LLMEngine:
     def _draw_drafts(self, out: SchedulerOutput) -> None:
         """The draft model draws the drafts `out` booked; its rounds' time feeds the cost
         model."""
-        rounds, start = self.draft.num_rounds, time.perf_counter()
         self.draft.draw(out, self._seeds,
                         (self.grammars, self._matchers) if self._matchers else None)
-        if self.draft.num_rounds > rounds:
-            self.scheduler.step_costs.record_round(
-                (time.perf_counter() - start) / (self.draft.num_rounds - rounds))
+        for seconds in self.draft.round_seconds:
+            self.scheduler.step_costs.record_round(seconds)
 
     def _read(self, out: SchedulerOutput, pending,
               timed: tuple[int, float] | None = None) -> list[RequestOutput]:

@@ -247,6 +247,10 @@ def summarize(engine: LLMEngine, timings, duration: float, ceilings: dict) -> di
         res.update(spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
                    spec_acceptance_rate=spec.acceptance_rate,
                    spec_mean_accepted_length=spec.mean_accepted_length)
+        if engine.draft is not None:  # a draft model: its rounds and what one took
+            round_s = engine.scheduler.step_costs.draft_round
+            res.update(spec_draft_rounds=engine.draft.num_rounds,
+                       spec_draft_round_ms=None if round_s is None else 1e3 * round_s)
     if engine.grammars.mask_steps:  # host time filling grammar masks (beside the body)
         res["grammar_mask_steps"] = engine.grammars.mask_steps
         res["grammar_mask_ms_per_step"] = (1e3 * engine.grammars.mask_seconds
@@ -299,6 +303,7 @@ def main(argv=None) -> int:
                         "takes this long (no model runs)")
     p.add_argument("--speculative-config", metavar="JSON", default=None,
                    help='speculative decoding, as the server\'s flag: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' or \'{"model": PATH_OR_NAME, '
                         '"num_speculative_tokens": 4}\'')
     p.add_argument("--dataset", help="prompts from a JSON-lines file of conversations "
                                      "({'messages': [...]} a line), e.g. "
