@@ -189,12 +189,19 @@ class InputBatch:
 
     def _release_departed(self) -> None:
         """Free the slots of sequences that finished or were preempted since the last step."""
-        for seq_id, (slot, seq) in list(self.seqs.items()):
+        for seq_id, (_, seq) in list(self.seqs.items()):
             if seq.status is not SequenceStatus.RUNNING:
-                del self.seqs[seq_id]
-                self.page_tables[slot, :self.num_blocks[slot]] = 0
-                self.num_blocks[slot] = 0
-                self._free.append(slot)
+                self.release(seq_id)
+
+    def release(self, seq_id: int) -> None:
+        """Free a sequence's slot now (a batch not built every step, a draft model's, frees a
+        preempted sequence's here: it may run again, with other pages, before its next build)."""
+        held = self.seqs.pop(seq_id, None)
+        if held is not None:
+            slot = held[0]
+            self.page_tables[slot, :self.num_blocks[slot]] = 0
+            self.num_blocks[slot] = 0
+            self._free.append(slot)
 
     def _admit(self, seq: Sequence, seed: int,
                resets: list[tuple[int, np.ndarray, np.ndarray]]) -> int:

@@ -113,8 +113,9 @@ class DraftModel:
         """Draw the drafts booked (TO_DRAW) in `out`, in place: into each entry's `drafts` and
         its sequence's tokens. `grammar`: (the engine's Grammars, seq_id -> matcher): a
         sequence that follows one draws each draft under its mask after the drafts before."""
-        for seq in out.preempted:
+        for seq in out.preempted:  # its pages change: its draft K/V is written afresh
             self._computed.pop(seq.seq_id, None)
+            self.input_batch.release(seq.seq_id)
         for seq_id in [i for i, (_, s) in self.input_batch.seqs.items()
                        if s.status is not SequenceStatus.RUNNING]:
             self._computed.pop(seq_id, None)

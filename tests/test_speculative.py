@@ -94,6 +94,24 @@ class WrongDraft(FakeRunner):
         return dataclasses.replace(result, token_ids=ids.astype(np.int32))
 
 
+class CheckedDraftModel(DraftModel):
+    """A DraftModel whose every step's page tables are checked against its sequences' own
+    (the draft's K/V goes where the target's pages are, also after preemption)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        build, self.tables_checked = self.input_batch.build, 0
+
+        def checked(out, seeds):
+            batch = build(out, seeds)
+            for i, e in enumerate(out.scheduled):
+                table = e.seq.block_table
+                assert list(batch.page_tables[i, :len(table)]) == table
+                self.tables_checked += 1
+            return batch
+        self.input_batch.build = checked
+
+
 def _run(speculative, overlap=True, num_blocks=41, abort_at=None, draft=None, **params):
     """Six requests through an engine on a fake model with next = (last + 1) % 10, whose
     prompts repeat that cycle in part (drafts from the prompt are kept for a while, then
@@ -103,7 +121,7 @@ def _run(speculative, overlap=True, num_blocks=41, abort_at=None, draft=None, **
                        max_num_batched_tokens=32, block_size=4, num_blocks=num_blocks,
                        async_scheduling=overlap, speculative=speculative)
     tokenizer = types.SimpleNamespace(eos_token_ids=frozenset({EOS}), vocab_size=10**6)
-    drafter = None if draft is None else DraftModel(
+    drafter = None if draft is None else CheckedDraftModel(
         dataclasses.replace(cfg, speculative=None), draft, tokenizer.eos_token_ids)
     eng = LLMEngine(cfg, runner=FakeRunner(modulus=10), tokenizer=tokenizer, detokenize=False,
                     draft=drafter)
@@ -360,3 +378,43 @@ def test_a_draft_model_must_share_the_targets_vocabulary():
     with pytest.raises(FileNotFoundError, match="draft model no/such/model does not exist"):
         DraftModel.for_target(EngineConfig(model="m", speculative={"model": "no/such/model"}),
                               target)
+
+
+def test_a_preempted_sequence_drafts_into_its_new_pages():
+    """A draft model's batch is built only when a step drafts: a sequence preempted (its pages
+    handed to another) and running again on other pages before the next drafting step must
+    not keep the old pages in the draft's copy of its table."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import ScheduledSeq, SchedulerOutput
+    from engine.sequence import TO_DRAW, Sequence, SequenceStatus
+
+    cfg = EngineConfig(model="", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                       block_size=4, num_blocks=20)
+    blocks = BlockManager(cfg.total_blocks, 4, enable_prefix_caching=False)
+    draft = CheckedDraftModel(cfg, FakeRunner(modulus=10), frozenset())
+
+    def drafts_once(seq, preempted=()):
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.token_ids.append(TO_DRAW)
+        blocks.may_append(seq)
+        entry = ScheduledSeq(seq, 2, seq.num_tokens - 2, samples=True, drafts=[TO_DRAW])
+        draft.draw(SchedulerOutput([entry], list(preempted)), {})
+        seq.token_ids.pop()
+        return entry.drafts
+
+    a = Sequence([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=20), 4)
+    blocks.allocate(a)
+    a.status = SequenceStatus.RUNNING
+    assert drafts_once(a) == [9]
+    old = list(a.block_table)
+    blocks.deallocate(a)                       # preempted ...
+    a.status = SequenceStatus.WAITING
+    b = Sequence(list(range(12)), SamplingParams(max_tokens=4), 4)
+    blocks.allocate(b)                         # ... its pages go to another
+    draft.draw(SchedulerOutput([], [a]), {})   # (the step that preempted it drafts nothing)
+    blocks.allocate(a)                         # and it runs again, on other pages
+    a.status = SequenceStatus.RUNNING
+    assert not set(a.block_table) & set(old)
+    checked = draft.tables_checked
+    assert drafts_once(a) == [9] and draft.tables_checked > checked
+    assert len(a.block_table) == len(old)      # (the length its stale copy had)
