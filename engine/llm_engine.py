@@ -32,7 +32,7 @@ from engine.outputs import CompletionOutput, RequestOutput, TextState, TokenLogp
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
-from engine.speculative import StepCosts
+from engine.speculative import StepCosts, drop_drafts
 from models.tokenizer import Tokenizer
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -187,7 +187,7 @@ class LLMEngine:
         for entry in out.scheduled:  # a grammar's drafts: only as far as it allows them
             if entry.drafts and entry.seq.seq_id in self._matchers:
                 allowed = allowed_drafts(self._matchers[entry.seq.seq_id], entry.drafts)
-                self.scheduler.drop_drafts(entry, len(entry.drafts) - allowed)
+                drop_drafts(entry, len(entry.drafts) - allowed, self.block_manager)
         launched = None
         if out.scheduled:
             for entry in out.scheduled:

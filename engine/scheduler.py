@@ -269,18 +269,6 @@ class Scheduler:
         entry.drafts = drafts
         entry.num_new_tokens += len(drafts)
 
-    def drop_drafts(self, entry: ScheduledSeq, n: int) -> None:
-        """Take the last n drafts out of a booked step (a grammar forbids them): their
-        positions and pages go; the token to sample stays last."""
-        if n <= 0:
-            return
-        seq = entry.seq
-        del seq.token_ids[entry.end - n:entry.end]
-        del entry.drafts[-n:]
-        entry.num_new_tokens -= n
-        seq.num_computed_tokens -= n
-        self.blocks.trim(seq)
-
     def _verify(self, entry: ScheduledSeq, rows: list[int]) -> list[int]:
         """A drafting entry's result: keep the drafts up to the first that differs from the
         token sampled before it, then that sampled token; roll the rest back (their K/V is

@@ -272,3 +272,16 @@ def fit_drafts(scheduled, num_drafts: int, token_buckets, blocks) -> None:
         entry.seq.token_ids.pop()
     for entry in drafting:
         blocks.trim(entry.seq)
+
+
+def drop_drafts(entry, n: int, blocks) -> None:
+    """Take the last n drafts out of a booked step (the scheduler's entry; a grammar forbids
+    them): their positions and pages go; the token to sample stays last."""
+    if n <= 0:
+        return
+    seq = entry.seq
+    del seq.token_ids[entry.end - n:entry.end]
+    del entry.drafts[-n:]
+    entry.num_new_tokens -= n
+    seq.num_computed_tokens -= n
+    blocks.trim(seq)
