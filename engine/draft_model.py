@@ -29,7 +29,7 @@ import logging
 import time
 from pathlib import Path
 
-from engine.batch import InputBatch, empty_batch
+from engine.batch import InputBatch
 from engine.config import EngineConfig
 from engine.distributed import is_distributed
 from engine.grammar import Grammars, fill_mask_after
@@ -100,13 +100,7 @@ class DraftModel:
         """Compile (or load) the draft's executables; returns the seconds of one drafting
         round of one sequence (a one-token step), the cost model's starting point."""
         self.runner.warmup()
-        batch = empty_batch(self.config, self.config.bucket_for(1, 1))
-        runs = []
-        for _ in range(2):
-            start = time.perf_counter()
-            self.runner.run(batch)
-            runs.append(time.perf_counter() - start)
-        return min(runs)
+        return self.runner.time_step(1)
 
     def draw(self, out: SchedulerOutput, seeds: dict[int, int],
              grammar: tuple[Grammars, dict] | None = None) -> None:

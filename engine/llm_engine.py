@@ -184,10 +184,11 @@ class LLMEngine:
         out = self.scheduler.schedule(speculate)
         if self.draft is not None:
             self._draw_drafts(out)
-        for entry in out.scheduled:  # a grammar's drafts: only as far as it allows them
-            if entry.drafts and entry.seq.seq_id in self._matchers:
-                allowed = allowed_drafts(self._matchers[entry.seq.seq_id], entry.drafts)
-                drop_drafts(entry, len(entry.drafts) - allowed, self.block_manager)
+        if self._matchers and self.scheduler.speculative is not None:
+            for entry in out.scheduled:  # a grammar's drafts: only as far as it allows them
+                if entry.drafts and entry.seq.seq_id in self._matchers:
+                    allowed = allowed_drafts(self._matchers[entry.seq.seq_id], entry.drafts)
+                    drop_drafts(entry, len(entry.drafts) - allowed, self.block_manager)
         launched = None
         if out.scheduled:
             for entry in out.scheduled:

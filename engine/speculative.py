@@ -168,13 +168,14 @@ class StepCosts:
         self.seconds = seconds if seconds is not None else {}  # (the runner's, filled at warmup)
         self.draft_round: float | None = None
 
+    def _average(self, old: float | None, seconds: float) -> float:
+        return seconds if old is None else old + self.RATE * (seconds - old)
+
     def record_round(self, seconds: float) -> None:
-        old = self.draft_round
-        self.draft_round = seconds if old is None else old + self.RATE * (seconds - old)
+        self.draft_round = self._average(self.draft_round, seconds)
 
     def record(self, bucket: int, seconds: float) -> None:
-        old = self.seconds.get(bucket)
-        self.seconds[bucket] = seconds if old is None else old + self.RATE * (seconds - old)
+        self.seconds[bucket] = self._average(self.seconds.get(bucket), seconds)
 
     def of(self, bucket: int) -> float | None:
         return self.seconds.get(bucket)

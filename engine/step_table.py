@@ -259,13 +259,19 @@ class StepTable:
         for t in self.config.token_buckets:
             if t > SPEC_TIMED_TOKENS:
                 break
-            batch = empty_batch(self.config, self.config.bucket_for(t, self.config.body_seqs(t)))
-            runs = []
-            for _ in range(2):
-                start = time.perf_counter()
-                self.run(batch, fuse=t == 1)
-                runs.append(time.perf_counter() - start)
-            self.step_seconds[t] = min(runs)
+            self.step_seconds[t] = self.time_step(t)
+
+    def time_step(self, num_tokens: int) -> float:
+        """Seconds a step of `num_tokens` tokens (as many head rows) takes on padding: the
+        best of two runs."""
+        t = num_tokens
+        batch = empty_batch(self.config, self.config.bucket_for(t, self.config.body_seqs(t)))
+        runs = []
+        for _ in range(2):
+            start = time.perf_counter()
+            self.run(batch, fuse=t == 1)
+            runs.append(time.perf_counter() - start)
+        return min(runs)
 
     def _compile_in_child(self, buckets: list[tuple[str, int]]) -> None:
         """Compile `buckets` into the executable store in a child process (engine/compile_child.py):
