@@ -15,8 +15,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 # The --layer-loop choices: models.llama.LAYER_LOOPS (held equal by a test; set_layer_loop
 # says what each does); auto is scan-pallas on one GPU, scan elsewhere.
 LAYER_LOOPS = ("auto", "scan", "unroll", "scan-pallas")
-# The --native-kernels choices (EngineConfig.native_kernels).
-NATIVE_KERNELS = ("auto", "off")
+# The --cpu-kernels choices: ops.native.CHOICES (held equal by a test).
+CPU_KERNELS = ("auto", "avx512", "avx2", "neon", "portable", "none")
 # Decodes of up to this many sequences run body and head as one executable: a lone decode
 # saves the chained head's launch with it, a few sequences saved nothing measurable, and each
 # fused executable holds memory of its own (docs/performance-log.md, "A lone decode in one
@@ -100,10 +100,11 @@ class EngineConfig:
     # reads the layer out of the stack in place (one GPU; auto's choice there, measured in
     # docs/performance-log.md, "Weights read in place on an H100").
     layer_loop: str = "auto"
-    # xlaserve's CPU kernels (ops/native): "auto" builds and uses them where they can be
-    # built, unless XLASERVE_NATIVE_KERNELS=0; "off" leaves them off in this process (XLA's
-    # matmuls and the reference attention), applied before the engine loads its model.
-    native_kernels: str = "auto"
+    # xlaserve's CPU kernels (ops/native): "auto" builds the best variant this CPU runs
+    # (XLASERVE_CPU_KERNELS sets what auto means); a variant's name forces it (a CPU without
+    # its features is an error); "none" leaves them off in this process (XLA's matmuls and
+    # the reference attention). Applied before the engine loads its model.
+    cpu_kernels: str = "auto"
     # "dummy": random weights of the model's shapes instead of its files (benchmarks).
     load_format: str = "auto"
     # Speculative decoding by prompt lookup (engine/speculative.py); None: off.
@@ -124,9 +125,9 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
-        if self.native_kernels not in NATIVE_KERNELS:
-            raise ValueError(f"native_kernels must be one of {', '.join(NATIVE_KERNELS)}, "
-                             f"got {self.native_kernels!r}")
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, "
+                             f"got {self.cpu_kernels!r}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, "
                              f"got {self.layer_loop!r}")

@@ -81,7 +81,8 @@ MAX_BYTES = 4 << 30
 # KV cache's shape, which the key holds).
 _IRRELEVANT = {"model", "name", "max_waiting_requests", "seed", "enable_prefix_caching",
                "gpu_memory_utilization", "num_blocks",
-               "async_scheduling", "load_format", "speculative"}
+               "async_scheduling", "load_format", "speculative",
+               "cpu_kernels"}  # native.identity() in the key says which kernels ran
 
 
 def _code_digest() -> str:
@@ -109,7 +110,8 @@ def fingerprint(config, graphdef, state, kv, dtype, kv_dtype) -> str:
     and the dtype it chose compile the same steps, so they share them)."""
     devices = jax.devices()
     if jax.default_backend() == "cpu":
-        native.available()  # loaded before its identity is read: one key in every process
+        for kernel in native.KERNELS:  # loaded before their identity is read: one key in
+            native.available(kernel)    # every process
     fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _IRRELEVANT}
     fields.update(dtype=str(jnp.dtype(dtype)), kv_cache_dtype=str(jnp.dtype(kv_dtype)))
     parts = [

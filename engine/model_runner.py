@@ -90,8 +90,8 @@ class PendingStep:
 class ModelRunner(StepTable):
     def __init__(self, config: EngineConfig, model=None):
         self.config = config
-        if config.native_kernels == "off":  # before any model is loaded or step compiled
-            native.turn_off("--native-kernels off")
+        if config.cpu_kernels != "auto":  # before any model is loaded or step compiled
+            native.choose(config.cpu_kernels)
         self.cluster = cluster.leader  # multi-host: followers mirror every device action
         if self.cluster is not None:
             if model is not None:
@@ -171,6 +171,8 @@ class ModelRunner(StepTable):
             config.total_blocks, config.block_size, config.total_blocks * config.block_size,
             self.kv_bytes() / 2**30, self.kv_dtype.name, list(config.token_buckets),
             list(config.seq_buckets))
+        if jax.default_backend() == "cpu":
+            logger.info("CPU kernels: %s", native.summary())
         self.compilations_after_warmup = 0
         self.step_seconds: dict[int, float] = {}  # token bucket -> seconds (_time_steps)
         self.warm = False

@@ -205,7 +205,7 @@ def resolve_backend(backend: str, device=None) -> str:
     if device.platform == "cpu":
         from ops import native
 
-        return "cpu" if native.available() else "reference"
+        return "cpu" if native.available("attention") else "reference"
     cc = _compute_capability(device)
     return "pallas-gpu" if cc is not None and cc >= TRITON_MIN_COMPUTE_CAPABILITY else "reference"
 

@@ -48,8 +48,8 @@ def cpu_ragged_paged_attention(
     if num_heads // cache.k.shape[3] > MAX_GROUP:
         raise ValueError(f"the CPU attention kernel takes at most {MAX_GROUP} query heads "
                          f"per KV head, got {num_heads // cache.k.shape[3]}")
-    if not native.available():
-        raise ValueError(f"the CPU attention kernel is not available: {native.reason()}")
+    if not native.available("attention"):
+        raise ValueError(f"the CPU attention kernel is not available: {native.reason('attention')}")
     none = jnp.zeros((0,), jnp.float32)
     call = jax.ffi.ffi_call(native.ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), cache.k, cache.v,

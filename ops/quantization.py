@@ -16,7 +16,7 @@ round their scales to it before quantizing, as llama.cpp does).
 
 Where xlaserve's CPU kernel runs a model's matmuls (ops/quantized_linear.py `runs_native`),
 its 4-bit matrices are packed two values a byte (`pack`). Without the kernel (no C++
-compiler, no AVX-512 VNNI, --native-kernels off, a mesh, or bfloat16 activations),
+compiler, a failed build, --cpu-kernels none, a mesh, or bfloat16 activations),
 4-bit values are held one per int8 on CPU: XLA:CPU does not fuse the unpacking of two values
 from a byte into its matrix-vector product, and packed int4, or nibbles unpacked with shifts
 and masks, ran many times slower than int8 at one row (docs/performance-log.md, "The default

@@ -181,7 +181,7 @@ def runs_native(dtype, quant: dict, *, sharded: bool) -> bool:
     matrices packed (`packed_formats`)."""
     return bool(quant and not sharded and jnp.dtype(dtype) == jnp.float32
                 and not any(fmt.activations for fmt in quant.values())
-                and jax.default_backend() == "cpu" and native.available())
+                and jax.default_backend() == "cpu" and native.available("qmatmul"))
 
 
 def packed_formats(quant: dict) -> dict:
@@ -209,7 +209,7 @@ def native_fits(x: jax.Array, w, any_rows: bool = False) -> bool:
             and cols == x.shape[1] and cols % groups == 0
             and (cols // groups) % (BLOCK if packed else 16) == 0 and groups <= 1024
             and not (packed and (cols // groups // BLOCK) & (cols // groups // BLOCK - 1))
-            and q.ndim == (3 if "layer" in w else 2) and native.available())
+            and q.ndim == (3 if "layer" in w else 2) and native.available("qmatmul"))
 
 
 def native_linear(x: jax.Array, w: dict) -> jax.Array:

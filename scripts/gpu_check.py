@@ -180,7 +180,7 @@ def main(argv=None) -> int:
                "tests/test_kv_cache_dtype.py::"
                "test_int8_pages_round_trip_through_writes_with_their_scales",
                "tests/test_pallas_gpu_attention.py"]
-        env = {"JAX_DEFAULT_MATMUL_PRECISION": "highest", "XLASERVE_NATIVE_KERNELS": "0"}
+        env = {"JAX_DEFAULT_MATMUL_PRECISION": "highest", "XLASERVE_CPU_KERNELS": "none"}
         if smoke:  # the kit's own run of them: the default suite runs every case on CPU
             cmd += ["-k", "pallas-gpu or bad_inputs or lowers_to_triton"]
         else:

@@ -19,9 +19,9 @@ from pathlib import Path
 import uvicorn
 
 from engine.config import (
+    CPU_KERNELS,
     KV_CACHE_DTYPES,
     LAYER_LOOPS,
-    NATIVE_KERNELS,
     QUANTIZATION_CHOICES,
     parse_bytes,
 )
@@ -122,10 +122,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch each step before reading the previous one's tokens (the "
                         "outputs are the same; default: on)")
-    p.add_argument("--native-kernels", choices=NATIVE_KERNELS, default="auto",
+    p.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
                    help="xlaserve's CPU kernels (matmuls of a few rows, attention): auto "
-                        "builds them where it can (XLASERVE_NATIVE_KERNELS=0 turns them off), "
-                        "off runs XLA's matmuls and the reference attention")
+                        "builds the best variant this CPU runs (XLASERVE_CPU_KERNELS sets what "
+                        "auto means), a variant's name forces it, none runs XLA's matmuls and "
+                        "the reference attention")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's numbers do not depend on what shares its steps, so a "
                         "seeded request samples the same tokens alone or under load (CPU; "
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
             max_waiting_requests=args.max_waiting_requests, seed=args.seed,
             async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant,
-            native_kernels=args.native_kernels, speculative=args.speculative_config,
+            cpu_kernels=args.cpu_kernels, speculative=args.speculative_config,
             layer_loop=args.layer_loop, load_format=args.load_format,
             generation_config=args.generation_config,
             generation_overrides=args.override_generation_config)

@@ -62,7 +62,8 @@ def test_auto_picks_the_kernel_by_platform_and_compute_capability():
     def device(platform, cc=None):
         return types.SimpleNamespace(platform=platform, compute_capability=cc)
 
-    on_cpu = "cpu" if native.available() else "reference"  # our kernel where it was built
+    # our kernel where it was built
+    on_cpu = "cpu" if native.available("attention") else "reference"
     assert resolve_backend("auto", device("cpu")) == on_cpu
     assert resolve_backend("auto", device("tpu")) == "pallas-tpu"
     assert resolve_backend("auto", device("gpu", "9.0")) == "pallas-gpu"   # Hopper: it ran there

@@ -171,8 +171,8 @@ def test_others_writable_directory_is_refused_and_not_written_into(tmp_path):
 
 # ---- the CPU kernels' library ----------------------------------------------------------
 
-needs_kernels = pytest.mark.skipif(not native.available(),
-                                   reason=f"CPU kernels unavailable: {native.reason()}")
+needs_kernels = pytest.mark.skipif(not native.available("qmatmul"),
+                                   reason=f"CPU kernel unavailable: {native.reason('qmatmul')}")
 
 # A stand-in for the C++ compiler: it "builds" by copying the library this process loaded
 # (so a fresh process registers real kernels) and counts its builds in $FAKE_CXX_LOG.
@@ -191,14 +191,14 @@ os.umask(0o022)
 if sys.argv[1:] == ["someone-else"]:
     os.getuid = lambda uid=os.getuid() + 1: uid
 from ops import native
-print("available:", native.available())
-print("reason:", native.reason())
+print("available:", native.available("qmatmul"))
+print("reason:", native.reason("qmatmul"))
 """
 
 
 @pytest.fixture(scope="module")
 def fake_cxx(tmp_path_factory):
-    library = native._cache_dir() / native.identity()
+    library = native._cache_dir() / native.library_name("qmatmul")
     if not library.is_file():
         pytest.skip(f"this process's kernel library is not in the cache ({library})")
     cxx = tmp_path_factory.mktemp("cxx") / "c++"
@@ -213,7 +213,7 @@ def _load_kernels(fake_cxx, cache: Path, *args: str) -> tuple[subprocess.Complet
     log = cache.parent / f"{cache.name}-builds.log"
     log.unlink(missing_ok=True)
     env = {**os.environ, **fake_cxx, "FAKE_CXX_LOG": str(log), "XDG_CACHE_HOME": str(cache),
-           "XLASERVE_NATIVE_KERNELS": "1"}
+           "XLASERVE_CPU_KERNELS": "auto"}
     done = subprocess.run([sys.executable, "-c", _LOAD, *args], capture_output=True, text=True,
                           env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr

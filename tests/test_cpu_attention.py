@@ -29,8 +29,8 @@ from ops.attention import resolve_backend
 from ops.cpu_attention import cpu_ragged_paged_attention as kernel
 from ops.kv_cache import KVCache
 
-pytestmark = pytest.mark.skipif(not native.available(),
-                                reason=f"CPU kernels unavailable: {native.reason()}")
+pytestmark = pytest.mark.skipif(not native.available("attention"),
+                                reason=f"CPU kernel unavailable: {native.reason('attention')}")
 
 
 def _case(seqs, *, group=3, num_kv_heads=3, head_dim=64) -> Case:

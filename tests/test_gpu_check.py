@@ -58,7 +58,8 @@ def test_gpu_check_smoke(tmp_path):
                      "quant_bench", "engine_tiny_b8", "online", "engine_tiny_b8_scan",
                      "kernel_tests", "attention_bench"]
     assert all(s["ok"] for s in report["steps"])
-    on_cpu = "cpu" if native.available() else "reference"  # our kernel where it was built
+    # our kernel where it was built
+    on_cpu = "cpu" if native.available("attention") else "reference"
     assert report["environment"]["auto_attention_backend"] == on_cpu
     b1 = next(s for s in report["steps"] if s["name"] == "engine_tiny_b1")["result"]
     assert b1["compilations_after_warmup"] == 0 and b1["hbm_fraction"] > 0

@@ -1,6 +1,6 @@
 """The paths that run where xlaserve's CPU kernels (ops/native) are off: XLA's dot for the
 quantized matmuls and the reference attention. Most machines build the kernels, so the
-default run turns them off (XLASERVE_NATIVE_KERNELS=0) in a child pytest that runs a
+default run turns them off (XLASERVE_CPU_KERNELS=none) in a child pytest that runs a
 representative set of the engine and server tests on the default model, and checks there
 that the kernels were off: in the child itself (this module, collected with the kernels
 off) and in its live server (its weights held one value a byte, as XLA's dot reads them; the
@@ -57,11 +57,12 @@ def _greedy(url: str) -> dict:
             "top": choice["logprobs"]["top_logprobs"]}
 
 
-if os.environ.get("XLASERVE_NATIVE_KERNELS") == "0":
+if os.environ.get("XLASERVE_CPU_KERNELS") == "none":
     # Collected with the kernels off: in the child below, or in a whole run with them off.
 
     def test_the_kernels_are_off(live_server, tmp_path_factory):
-        assert not native.available() and native.reason() == "XLASERVE_NATIVE_KERNELS=0"
+        assert not native.available("qmatmul") and not native.available("attention")
+        assert native.reason("qmatmul") == "XLASERVE_CPU_KERNELS=none"
         # What a model asks before it takes a kernel: the reference attention, XLA's dot.
         assert resolve_backend("auto") == "reference"
         assert not runs_native(jnp.float32, {"wq": scheme_format("int4")}, sharded=False)
@@ -72,7 +73,7 @@ else:
 
     def test_engine_and_server_tests_pass_with_the_kernels_off(live_server, tmp_path):
         basetemp, report = tmp_path / "child", tmp_path / "report.xml"
-        env = {**os.environ, "XLASERVE_NATIVE_KERNELS": "0"}
+        env = {**os.environ, "XLASERVE_CPU_KERNELS": "none"}
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                "-n", "0", f"--basetemp={basetemp}", f"--junitxml={report}", *TESTS],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -60,7 +60,7 @@ def _page_size(kernel: str, kv_dtype) -> int:
 
 @pytest.mark.parametrize("kernel, kv_dtype", [
     ("reference", "float16"), ("reference", "bfloat16"), ("reference", "float8_e4m3fn"),
-    *(pytest.param("cpu", t, marks=pytest.mark.skipif(not native.available(),
+    *(pytest.param("cpu", t, marks=pytest.mark.skipif(not native.available("attention"),
                                                      reason="CPU kernels unavailable"))
       for t in ("float16", "bfloat16")),  # fp8: refused on CPU (above)
     ("pallas-gpu", "float16"), ("pallas-gpu", "bfloat16"), ("pallas-gpu", "float8_e4m3fn"),
@@ -88,7 +88,7 @@ def test_tpu_kernel_refuses_float16_pages():
 
 @pytest.mark.parametrize("kernel", [
     "reference", "pallas-gpu", "pallas-tpu",
-    pytest.param("cpu", marks=pytest.mark.skipif(not native.available(),
+    pytest.param("cpu", marks=pytest.mark.skipif(not native.available("attention"),
                                                  reason="CPU kernels unavailable"))])
 def test_int8_pages_round_trip_through_writes_with_their_scales(kernel):
     """int8 pages hold each written token's K/V to within half a step of its own scale (max |x|

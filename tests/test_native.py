@@ -32,8 +32,8 @@ from ops.quantized_linear import (
 
 # The kernel's own tests; the fallback's (test_without_a_compiler_xla_runs_instead) run on
 # every machine, those that cannot build the kernel above all.
-needs_kernels = pytest.mark.skipif(not native.available(),
-                                   reason=f"CPU kernels unavailable: {native.reason()}")
+needs_kernels = pytest.mark.skipif(not native.available("qmatmul"),
+                                   reason=f"CPU kernel unavailable: {native.reason('qmatmul')}")
 
 T = gguf.GGMLQuantizationType
 
@@ -166,26 +166,41 @@ def test_kernel_rejects_a_layer_outside_the_stack():
 
 def test_without_a_compiler_xla_runs_instead(tmp_path):
     """A machine where the kernel cannot be built (here: a compiler that always fails, an
-    empty kernel cache) loads models and computes the same products through XLA."""
+    empty kernel cache) loads models and computes the same products through XLA; the failed
+    build is remembered, so the next process neither retries it nor waits for it."""
     code = (
         "import jax, jax.numpy as jnp, numpy as np\n"
         "from ops import native\n"
         "from ops.quantization import quantize, scheme_format\n"
         "from ops.quantized_linear import linear\n"
-        "assert not native.available() and native.identity() == 'off'\n"
-        "print('reason:', native.reason())\n"
+        "assert not native.available('qmatmul') and native.identity() == 'off,off'\n"
+        "print('reason:', native.reason('qmatmul'))\n"
         "w = quantize(np.ones((32, 64), np.float32), scheme_format('int4'))\n"
         "y = linear(jnp.ones((1, 64), jnp.float32), jax.tree.map(jnp.asarray, w), native=True)\n"
         "assert np.allclose(np.asarray(y), 64.0, rtol=1e-3), y\n")
     # The compiler case turns the kernels on, should this run have them off.
-    for env in ({"CXX": "false", "XLASERVE_NATIVE_KERNELS": "1"},
-                {"XLASERVE_NATIVE_KERNELS": "0"}):
+    for env, expected in [({"CXX": "false", "XLASERVE_CPU_KERNELS": "auto"},
+                           "compiler 'false' does not run"),
+                          ({"XLASERVE_CPU_KERNELS": "none"}, "XLASERVE_CPU_KERNELS=none")]:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               env={**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env},
                               cwd=os.path.dirname(os.path.dirname(__file__)))
         assert done.returncode == 0, done.stderr
-        assert ("compiler 'false' does not run" if "CXX" in env
-                else "XLASERVE_NATIVE_KERNELS=0") in done.stdout
+        assert expected in done.stdout
+    # A compiler that runs but cannot build the kernels: each failed build is remembered.
+    fails = tmp_path / "fails.sh"
+    fails.write_text('#!/bin/sh\n'
+                     'case "$*" in *--version*) echo fails 1.0;; *) echo no >&2; exit 1;; esac\n')
+    fails.chmod(0o755)
+    for attempt in range(2):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CXX": str(fails),
+                                   "XLASERVE_CPU_KERNELS": "auto"},
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert done.returncode == 0, done.stderr
+        assert "failed: no" in done.stdout
+        assert ("an earlier build" in done.stdout) == (attempt == 1)
+    assert len(list((tmp_path / "xlaserve" / "kernels").glob("*.failed"))) >= 2
 
 
 @needs_kernels
@@ -206,8 +221,8 @@ def test_models_decode_alike_with_and_without_the_kernel(family, tmp_path):
                                atol=1e-4 * np.abs(logits_off).max())
 
 
-def test_native_kernels_off_is_an_engine_flag(tmp_path):
-    """EngineConfig.native_kernels "off" (--native-kernels off) turns the kernels off in its
+def test_cpu_kernels_none_is_an_engine_flag(tmp_path):
+    """EngineConfig.cpu_kernels "none" (--cpu-kernels none) turns the kernels off in its
     process before the engine loads its model: XLA's matmuls and the reference attention
     run, and the engine still generates."""
     code = (
@@ -222,8 +237,9 @@ def test_native_kernels_off_is_an_engine_flag(tmp_path):
         f"path = save_tiny_hf(Path({str(tmp_path)!r}), family='llama')\n"
         "engine = LLMEngine(EngineConfig(model=str(path), dtype='float32', max_model_len=64,\n"
         "    max_num_seqs=2, max_num_batched_tokens=16, block_size=8,\n"
-        "    native_kernels='off'), detokenize=False)\n"
-        "assert not native.available() and native.reason() == '--native-kernels off'\n"
+        "    cpu_kernels='none'), detokenize=False)\n"
+        "assert not native.available('qmatmul')\n"
+        "assert native.reason('qmatmul') == '--cpu-kernels none'\n"
         "model = nnx.merge(engine.runner.graphdef, engine.runner.state)\n"
         "assert model.attention_backend == 'reference' and not model.native_matmuls\n"
         "out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4,\n"

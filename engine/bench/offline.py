@@ -47,7 +47,7 @@ import numpy as np
 
 from engine.bench.ceilings import dense_seconds, measure_ceilings, read_bandwidth, weight_copies
 from engine.bench.simulated import SimulatedRunner
-from engine.config import LAYER_LOOPS, NATIVE_KERNELS, EngineConfig
+from engine.config import CPU_KERNELS, LAYER_LOOPS, EngineConfig
 from engine.device import size_kv
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
@@ -74,7 +74,7 @@ def build_engine(args) -> LLMEngine:
                   block_size=args.block_size, attention_backend=args.attention_backend,
                   tensor_parallel_size=args.tensor_parallel_size,
                   async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant,
-                  native_kernels=args.native_kernels,
+                  cpu_kernels=args.cpu_kernels,
                   layer_loop=args.layer_loop, speculative=args.speculative_config)
     if args.random_weights:
         from models.loader import resolve_dtype
@@ -294,8 +294,8 @@ def main(argv=None) -> int:
                    help="overlap each step with the host work of the one before (default: on)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="rows computed alike in any batch (EngineConfig.batch_invariant)")
-    p.add_argument("--native-kernels", choices=NATIVE_KERNELS, default="auto",
-                   help="our CPU kernels, or off (EngineConfig.native_kernels)")
+    p.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
+                   help="our CPU kernels' variant, or none (EngineConfig.cpu_kernels)")
     p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
                    help="auto, scan, unroll or scan-pallas (EngineConfig.layer_loop)")
     p.add_argument("--simulate-device-ms", type=float, default=None,

@@ -9,6 +9,9 @@
 // of the stack is read in place: k, v [L, P, page, Hkv, D] in float32, float16, bfloat16 or
 // int8 (with a float32 scale per token and KV head, [L, P, page, Hkv]).
 //
+// Written once in simd.h's vectors and compiled per instruction set (AVX-512, AVX2, NEON,
+// portable C++): the same operations in the same order on each, so the same bits.
+//
 // Why a kernel of our own: XLA:CPU runs the pure-JAX reference as gathers, small batched
 // dots and a loop of whole-array elementwise passes, and a 64-row decode step spent about
 // half its time there (docs/performance.md). Here each work item, one sequence's block of
@@ -26,8 +29,6 @@
 // memory: 181-191 -> 81-102 us a call; of 256: 19.8-21.6 -> 11.4-11.7 us). `split_keys` 0
 // never cuts one: every query's keys are then folded in order into one state, so a row's
 // output is the same bits whatever else the call holds (--batch-invariant).
-#include <immintrin.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -37,15 +38,11 @@
 #include <utility>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "simd.h"
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__F16C__)
-#error "xlaserve's CPU kernels need AVX-512 (F, BW, VL) and F16C"
-#endif
+namespace xlaserve::attention {
 
-namespace ffi = xla::ffi;
-
-namespace {
+using namespace simd;
 
 constexpr int64_t kKeys = 16;          // keys per block: one vector of scores
 constexpr int64_t kMaxHeadDim = 256;
@@ -55,38 +52,19 @@ constexpr int64_t kInlineWork = 1 << 15;  // query-key pairs below which one thr
 enum class Pages { kF32, kF16, kBF16, kI8 };
 
 // exp(x) for 16 floats: Cephes' expf polynomial on [-ln2 / 2, ln2 / 2], times 2^n.
-inline __m512 Exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// out[j] = the sum of v[j]'s 16 lanes, j < 16 (a transposing tree: 45 instructions, not 16
-// horizontal reductions).
-inline __m512 Sums16(const __m512* v) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: keys 2i, 2i + 1, 2i, 2i + 1
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: keys 4i .. 4i + 3
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+inline Floats Exp16(Floats x) {
+  x = Min(Max(x, Set(-87.0f)), Set(88.0f));
+  const Floats n = Round(Mul(x, Set(1.44269504088896341f)));
+  Floats r = Fnma(n, Set(0.693359375f), x);
+  r = Fnma(n, Set(-2.12194440e-4f), r);
+  Floats p = Set(1.9875691500e-4f);
+  p = Fma(p, r, Set(1.3981999507e-3f));
+  p = Fma(p, r, Set(8.3334519073e-3f));
+  p = Fma(p, r, Set(4.1665795894e-2f));
+  p = Fma(p, r, Set(1.6666665459e-1f));
+  p = Fma(p, r, Set(5.0000001201e-1f));
+  p = Fma(p, Mul(r, r), Add(r, Set(1.0f)));
+  return TimesPow2(p, n);
 }
 
 struct Problem {
@@ -125,24 +103,19 @@ inline int64_t VectorAt(const Problem& p, const Item& it, int64_t x, int64_t* ro
 
 // One token's K or V of one KV head, as D floats in `dst`.
 template <Pages kPages>
-inline void Load(const void* pool, const float* scales, int64_t vec, int64_t D, float* dst) {
+inline void LoadVector(const void* pool, const float* scales, int64_t vec, int64_t D, float* dst) {
   for (int64_t d = 0; d < D; d += 16) {
-    __m512 x;
+    Floats x;
     if constexpr (kPages == Pages::kF32) {
-      x = _mm512_loadu_ps(static_cast<const float*>(pool) + vec * D + d);
+      x = Load(static_cast<const float*>(pool) + vec * D + d);
     } else if constexpr (kPages == Pages::kF16) {
-      x = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(pool) + vec * D + d)));
+      x = FromHalves(static_cast<const uint16_t*>(pool) + vec * D + d);
     } else if constexpr (kPages == Pages::kBF16) {
-      x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(pool) + vec * D + d))), 16));
+      x = FromBF16(static_cast<const uint16_t*>(pool) + vec * D + d);
     } else {
-      x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                            reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(pool) +
-                                                             vec * D + d)))),
-                        _mm512_set1_ps(scales[vec]));
+      x = Mul(FromInt8(static_cast<const int8_t*>(pool) + vec * D + d), Set(scales[vec]));
     }
-    _mm512_store_ps(dst + d, x);
+    Store(dst + d, x);
   }
 }
 
@@ -153,21 +126,21 @@ inline void Load(const void* pool, const float* scales, int64_t vec, int64_t D, 
 template <int W, int NQ>
 inline void AddTile(float* acc, const int64_t* xs, const float* wts, const float* corr,
                     const float* vf, int64_t n, int64_t D, int64_t d0) {
-  __m512 o[NQ][W];
+  Floats o[NQ][W];
   for (int q = 0; q < NQ; ++q) {
-    const __m512 c = _mm512_set1_ps(corr[q]);
-    for (int w = 0; w < W; ++w) o[q][w] = _mm512_mul_ps(_mm512_load_ps(acc + xs[q] * D + d0 + 16 * w), c);
+    const Floats c = Set(corr[q]);
+    for (int w = 0; w < W; ++w) o[q][w] = Mul(Load(acc + xs[q] * D + d0 + 16 * w), c);
   }
   for (int64_t j = 0; j < n; ++j) {
-    __m512 v[W];
-    for (int w = 0; w < W; ++w) v[w] = _mm512_load_ps(vf + j * D + d0 + 16 * w);
+    Floats v[W];
+    for (int w = 0; w < W; ++w) v[w] = Load(vf + j * D + d0 + 16 * w);
     for (int q = 0; q < NQ; ++q) {
-      const __m512 wq = _mm512_set1_ps(wts[q * kKeys + j]);
-      for (int w = 0; w < W; ++w) o[q][w] = _mm512_fmadd_ps(wq, v[w], o[q][w]);
+      const Floats wq = Set(wts[q * kKeys + j]);
+      for (int w = 0; w < W; ++w) o[q][w] = Fma(wq, v[w], o[q][w]);
     }
   }
   for (int q = 0; q < NQ; ++q)
-    for (int w = 0; w < W; ++w) _mm512_store_ps(acc + xs[q] * D + d0 + 16 * w, o[q][w]);
+    for (int w = 0; w < W; ++w) Store(acc + xs[q] * D + d0 + 16 * w, o[q][w]);
 }
 
 template <int NQ>
@@ -200,9 +173,8 @@ void RunItem(const Problem& p, const Item& it) {
     const float* src = p.q + VectorAt(p, it, x, &row);
     const int64_t pos = first_pos + row - start;
     for (int64_t d = 0; d < D; d += 16) {
-      _mm512_store_ps(qs + x * D + d,
-                      _mm512_mul_ps(_mm512_loadu_ps(src + d), _mm512_set1_ps(p.sm_scale)));
-      _mm512_store_ps(acc + x * D + d, _mm512_setzero_ps());
+      Store(qs + x * D + d, Mul(Load(src + d), Set(p.sm_scale)));
+      Store(acc + x * D + d, Zero());
     }
     m[x] = -std::numeric_limits<float>::infinity();
     l[x] = 0.0f;
@@ -214,7 +186,6 @@ void RunItem(const Problem& p, const Item& it) {
   keys_begin = std::max(keys_begin, it.key0);  // a part of a split decode: its keys only
   keys_end = std::min(keys_end, it.key1);
   int64_t rows_at[kKeys];  // the block's keys' token rows in the pool (without the head)
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t j0 = keys_begin / kKeys * kKeys; j0 < keys_end; j0 += kKeys) {
     const int64_t n = std::min(kKeys, keys_end - j0);
     // The block's keys walk their pages in order: page and offset advance by counting
@@ -229,18 +200,17 @@ void RunItem(const Problem& p, const Item& it) {
       }
       rows_at[j] = base + offset++;
     }
-    const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j0)), lane);
     for (int64_t hh = 0; hh < it.heads; ++hh) {
       const int64_t head = it.head0 + hh;
       for (int64_t j = 0; j < kKeys; ++j) {  // this KV head's keys and values of the block
         if (j < n) {
           const int64_t vec = rows_at[j] * p.Hkv + head;
-          Load<kPages>(p.k, p.k_scale, vec, D, kf + j * D);
-          Load<kPages>(p.v, p.v_scale, vec, D, vf + j * D);
+          LoadVector<kPages>(p.k, p.k_scale, vec, D, kf + j * D);
+          LoadVector<kPages>(p.v, p.v_scale, vec, D, vf + j * D);
         } else {  // past the last key: zeros (their weights are 0; stale values could be NaN)
           for (int64_t d = 0; d < D; d += 16) {
-            _mm512_store_ps(kf + j * D + d, _mm512_setzero_ps());
-            _mm512_store_ps(vf + j * D + d, _mm512_setzero_ps());
+            Store(kf + j * D + d, Zero());
+            Store(vf + j * D + d, Zero());
           }
         }
       }
@@ -249,30 +219,31 @@ void RunItem(const Problem& p, const Item& it) {
       int64_t live = 0;
       for (int64_t x = hh * per_head; x < (hh + 1) * per_head; ++x) {
         if (hi[x] <= j0 || lo[x] >= j0 + kKeys) continue;  // none of this block is visible
-        __m512 part[kKeys];
-        for (int64_t j = 0; j < kKeys; ++j) part[j] = _mm512_setzero_ps();
+        Floats part[kKeys];
+        for (int64_t j = 0; j < kKeys; ++j) part[j] = Zero();
         for (int64_t d = 0; d < D; d += 16) {
-          const __m512 qd = _mm512_load_ps(qs + x * D + d);
-          for (int64_t j = 0; j < kKeys; ++j)
-            part[j] = _mm512_fmadd_ps(qd, _mm512_load_ps(kf + j * D + d), part[j]);
+          const Floats qd = Load(qs + x * D + d);
+          for (int64_t j = 0; j < kKeys; ++j) part[j] = Fma(qd, Load(kf + j * D + d), part[j]);
         }
-        __m512 s = Sums16(part);  // [16] scores
+        Floats s = Sums16(part);  // [16] scores
         if (p.soft_cap > 0.0f) {
           alignas(64) float sv[kKeys];
-          _mm512_store_ps(sv, s);
-          for (int64_t j = 0; j < kKeys; ++j) sv[j] = p.soft_cap * std::tanh(sv[j] / p.soft_cap);
-          s = _mm512_load_ps(sv);
+          Store(sv, s);
+          // tanh in double, rounded once: the C library's float tanh differed in last bits
+          // between its x86-64 and AArch64 builds (tests/test_native_variants.py)
+          for (int64_t j = 0; j < kKeys; ++j)
+            sv[j] = p.soft_cap * static_cast<float>(std::tanh(static_cast<double>(sv[j] / p.soft_cap)));
+          s = Load(sv);
         }
-        const __mmask16 seen = _mm512_cmpge_epi32_mask(keys, _mm512_set1_epi32(lo[x])) &
-                               _mm512_cmplt_epi32_mask(keys, _mm512_set1_epi32(hi[x]));
-        const float m_block = _mm512_mask_reduce_max_ps(seen, s);
+        const Mask seen = KeysIn(static_cast<int32_t>(j0), lo[x], hi[x]);
+        const float m_block = ReduceMax(seen, s);
         const float m_next = std::max(m[x], m_block);
         // 0 before the first key; 1 (no exp) while the maximum stands, as in most blocks
         const float correction = m_block > m[x] ? std::exp(m[x] - m_next) : 1.0f;
-        const __m512 w = _mm512_maskz_mov_ps(seen, Exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_next))));
-        l[x] = l[x] * correction + _mm512_reduce_add_ps(w);
+        const Floats w = Keep(seen, Exp16(Sub(s, Set(m_next))));
+        l[x] = l[x] * correction + ReduceAdd(w);
         m[x] = m_next;
-        _mm512_store_ps(wts + live * kKeys, w);
+        Store(wts + live * kKeys, w);
         corr[live] = correction;
         xs[live++] = x;
       }
@@ -295,10 +266,9 @@ void RunItem(const Problem& p, const Item& it) {
     return;
   }
   for (int64_t x = 0; x < M; ++x) {
-    const __m512 inv = _mm512_set1_ps(l[x] > 0.0f ? 1.0f / l[x] : 0.0f);
+    const Floats inv = Set(l[x] > 0.0f ? 1.0f / l[x] : 0.0f);
     float* dst = p.out + VectorAt(p, it, x);
-    for (int64_t d = 0; d < D; d += 16)
-      _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(acc + x * D + d), inv));
+    for (int64_t d = 0; d < D; d += 16) Store(dst + d, Mul(Load(acc + x * D + d), inv));
   }
 }
 
@@ -345,61 +315,25 @@ struct Work {
   }
 };
 
-using Rows3 = ffi::Buffer<ffi::F32, 3>;     // q [T, H, D]
-using Ints1 = ffi::Buffer<ffi::S32, 1>;
-using Ints2 = ffi::Buffer<ffi::S32, 2>;
-using Index = ffi::Buffer<ffi::S32, 0>;
-using Out3 = ffi::ResultBuffer<ffi::F32, 3>;  // [T, H, D]
-
-ffi::Error Attention(ffi::ThreadPool pool, Rows3 q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                     ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, Ints1 qsl, Ints1 kv_lens,
-                     Ints2 tables, Index layer, float sm_scale, float soft_cap, int64_t window,
-                     int64_t split_keys, Out3 out) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
-  if (kd.size() != 5 || k.element_type() != v.element_type() ||
-      k.element_count() != v.element_count())
-    return ffi::Error::InvalidArgument("xlaserve_attention: k and v must be [L, P, page, Hkv, D]");
-  Pages pages;
-  switch (k.element_type()) {
-    case ffi::DataType::F32: pages = Pages::kF32; break;
-    case ffi::DataType::F16: pages = Pages::kF16; break;
-    case ffi::DataType::BF16: pages = Pages::kBF16; break;
-    case ffi::DataType::S8: pages = Pages::kI8; break;
-    default: return ffi::Error::InvalidArgument("xlaserve_attention: unsupported page dtype");
-  }
-  const int64_t T = qd[0], H = qd[1], D = qd[2], L = kd[0], Hkv = kd[3], S = kv_lens.dimensions()[0];
-  const bool scaled = pages == Pages::kI8;
-  if (kd[4] != D || D % 16 || D > kMaxHeadDim || Hkv < 1 || H % Hkv || H / Hkv > kMaxQueries ||
-      qsl.dimensions()[0] != S + 1 || td[0] != S || td[1] < 1)
-    return ffi::Error::InvalidArgument("xlaserve_attention: shapes do not agree");
-  if (scaled != (k_scale.element_count() != 0) ||
-      (scaled && (k_scale.element_type() != ffi::DataType::F32 ||
-                  v_scale.element_type() != ffi::DataType::F32 ||
-                  k_scale.element_count() * D != k.element_count() ||
-                  v_scale.element_count() != k_scale.element_count())))
-    return ffi::Error::InvalidArgument("xlaserve_attention: int8 pages need [L, P, page, Hkv] scales");
-  const int64_t l = *layer.typed_data();
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("xlaserve_attention: layer out of range");
-
+// The attention of p's rows (shapes checked by the caller) with up to threads - 1 more
+// threads: schedule(task) runs task on one of them.
+template <typename Schedule>
+void Compute(const Problem& p, Pages pages, int64_t split_keys, int64_t threads, Schedule schedule) {
   auto work = std::make_shared<Work>();
-  work->p = Problem{q.typed_data(), k.untyped_data(), v.untyped_data(),
-                    scaled ? static_cast<const float*>(k_scale.untyped_data()) : nullptr,
-                    scaled ? static_cast<const float*>(v_scale.untyped_data()) : nullptr,
-                    qsl.typed_data(), kv_lens.typed_data(), tables.typed_data(),
-                    out->typed_data(), T, H, Hkv, D, S, td[1], kd[2], kd[1], l,
-                    sm_scale, soft_cap, window};
+  work->p = p;
   work->pages = pages;
-  const int32_t* starts = qsl.typed_data();
+  const int64_t T = p.T, H = p.H, Hkv = p.Hkv, D = p.D, S = p.S;
+  const int32_t* starts = p.qsl;
   const int64_t group = H / Hkv, block_rows = std::max<int64_t>(1, kMaxQueries / group);
   // Rows no sequence owns (padding) are zeros.
-  float* o = out->typed_data();
+  float* o = p.out;
   const int64_t first = std::clamp<int64_t>(starts[0], 0, T), last = std::clamp<int64_t>(starts[S], first, T);
   std::fill(o, o + first * H * D, 0.0f);
   std::fill(o + last * H * D, o + T * H * D, 0.0f);
   int64_t pairs = 0;  // query-key pairs, to judge whether threads pay
   for (int64_t s = 0; s < S; ++s) {
     const int64_t r0 = std::max<int64_t>(starts[s], first), r1 = std::min<int64_t>(starts[s + 1], last);
-    pairs += (r1 - r0) * H * std::max<int64_t>(kv_lens.typed_data()[s], 0);
+    pairs += (r1 - r0) * H * std::max<int64_t>(p.kv_lens[s], 0);
     if ((r1 - r0) * H <= kMaxQueries) {  // a decode: every KV head in one item, so a page's
       if (r1 > r0) work->items.push_back(Item{s, r0, r1 - r0, 0, Hkv});  // rows are read in order
       continue;
@@ -410,13 +344,13 @@ ffi::Error Attention(ffi::ThreadPool pool, Rows3 q, ffi::AnyBuffer k, ffi::AnyBu
   }
   // Fewer items than threads (a lone long decode): split the long ones by keys, so every
   // thread reads a part of the pages, and combine the parts' states after.
-  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  const int64_t workers = std::max<int64_t>(1, threads);
   std::vector<std::pair<int64_t, int64_t>> splits;  // (first part, parts) in items
   if (split_keys > 0 && static_cast<int64_t>(work->items.size()) < workers) {
     std::vector<Item> items;
     int64_t floats = 0;
     for (const Item& it : work->items) {
-      const int64_t kv = std::max<int64_t>(kv_lens.typed_data()[it.seq], 0);
+      const int64_t kv = std::max<int64_t>(p.kv_lens[it.seq], 0);
       const int64_t parts = it.heads == Hkv
           ? std::min<int64_t>(workers / static_cast<int64_t>(work->items.size()), kv / split_keys) : 1;
       if (parts < 2) { items.push_back(it); continue; }
@@ -447,11 +381,68 @@ ffi::Error Attention(ffi::ThreadPool pool, Rows3 q, ffi::AnyBuffer k, ffi::AnyBu
   // thread: the same change there measured no better (30 layers at 1 and 8 rows, and the
   // engine bench's c=1 TPOT, 10.4-11.0 against 9.6-10.2 ms, inside the noise or worse).
   int64_t helpers = pairs < kInlineWork && splits.empty()
-      ? 0 : std::min<int64_t>(pool.num_threads() - 1, num - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
+      ? 0 : std::min<int64_t>(threads - 1, num - 1);
+  for (int64_t i = 0; i < helpers; ++i) schedule([work] { work->Run(); });
   work->Run();
-  while (work->done.load(std::memory_order_acquire) < num) _mm_pause();
+  while (work->done.load(std::memory_order_acquire) < num) Pause();
   for (auto [first, parts] : splits) Combine(work->p, work->items.data() + first, parts);
+}
+
+
+}  // namespace xlaserve::attention
+
+#ifndef XLASERVE_NO_FFI
+#include "xla/ffi/api/ffi.h"
+
+namespace {
+
+namespace ffi = xla::ffi;
+namespace at = xlaserve::attention;
+
+using Rows3 = ffi::Buffer<ffi::F32, 3>;     // q [T, H, D]
+using Ints1 = ffi::Buffer<ffi::S32, 1>;
+using Ints2 = ffi::Buffer<ffi::S32, 2>;
+using Index = ffi::Buffer<ffi::S32, 0>;
+using Out3 = ffi::ResultBuffer<ffi::F32, 3>;  // [T, H, D]
+
+ffi::Error Attention(ffi::ThreadPool pool, Rows3 q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                     ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, Ints1 qsl, Ints1 kv_lens,
+                     Ints2 tables, Index layer, float sm_scale, float soft_cap, int64_t window,
+                     int64_t split_keys, Out3 out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
+  if (kd.size() != 5 || k.element_type() != v.element_type() ||
+      k.element_count() != v.element_count())
+    return ffi::Error::InvalidArgument("xlaserve_attention: k and v must be [L, P, page, Hkv, D]");
+  at::Pages pages;
+  switch (k.element_type()) {
+    case ffi::DataType::F32: pages = at::Pages::kF32; break;
+    case ffi::DataType::F16: pages = at::Pages::kF16; break;
+    case ffi::DataType::BF16: pages = at::Pages::kBF16; break;
+    case ffi::DataType::S8: pages = at::Pages::kI8; break;
+    default: return ffi::Error::InvalidArgument("xlaserve_attention: unsupported page dtype");
+  }
+  const int64_t T = qd[0], H = qd[1], D = qd[2], L = kd[0], Hkv = kd[3], S = kv_lens.dimensions()[0];
+  const bool scaled = pages == at::Pages::kI8;
+  if (kd[4] != D || D % 16 || D > at::kMaxHeadDim || Hkv < 1 || H % Hkv || H / Hkv > at::kMaxQueries ||
+      qsl.dimensions()[0] != S + 1 || td[0] != S || td[1] < 1)
+    return ffi::Error::InvalidArgument("xlaserve_attention: shapes do not agree");
+  if (scaled != (k_scale.element_count() != 0) ||
+      (scaled && (k_scale.element_type() != ffi::DataType::F32 ||
+                  v_scale.element_type() != ffi::DataType::F32 ||
+                  k_scale.element_count() * D != k.element_count() ||
+                  v_scale.element_count() != k_scale.element_count())))
+    return ffi::Error::InvalidArgument("xlaserve_attention: int8 pages need [L, P, page, Hkv] scales");
+  const int64_t l = *layer.typed_data();
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("xlaserve_attention: layer out of range");
+
+  const at::Problem p{q.typed_data(), k.untyped_data(), v.untyped_data(),
+                      scaled ? static_cast<const float*>(k_scale.untyped_data()) : nullptr,
+                      scaled ? static_cast<const float*>(v_scale.untyped_data()) : nullptr,
+                      qsl.typed_data(), kv_lens.typed_data(), tables.typed_data(),
+                      out->typed_data(), T, H, Hkv, D, S, td[1], kd[2], kd[1], l,
+                      sm_scale, soft_cap, window};
+  at::Compute(p, pages, split_keys, pool.num_threads(),
+              [&pool](auto task) { pool.Schedule(std::move(task)); });
   return ffi::Error::Success();
 }
 
@@ -474,3 +465,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveAttention, Attention,
                                   .Attr<int64_t>("window")
                                   .Attr<int64_t>("split_keys")  // 0: never split a decode
                                   .Ret<Rows3>());
+#endif  // XLASERVE_NO_FFI

@@ -15,41 +15,34 @@
 // The layer is an operand, not a slice: a slice of the stack passed to a custom call is
 // copied first (4.4 ms a token for the default model's 30 layers, measured).
 //
+// Written once in simd.h's vectors and compiled per instruction set (AVX-512, AVX2, NEON,
+// portable C++): the same operations in the same order on each, so the same bits.
+//
 // Why a kernel of our own: XLA:CPU runs a one-row product with the dequantization fused
 // as a loop on one thread, and at 2-8 rows materializes the dequantized matrix before
 // the dot; and its dot's summation order for a row changes with the number of rows. Here
 // 8-bit values become float weights in registers and are multiplied with x in float32, and
 // 4-bit values run as exact integer dot products with x in 24-bit integers per block of 32
-// (`Prepare`, `PackedTile`, VNNI), up to 4 rows at once. For any number of rows, each
+// (`Prepare`, `PackedTile`: VNNI's dot products, or their exact equivalents), up to 4 rows at once. For any number of rows, each
 // output is the same operations in the same order, so a row's result never depends on the
 // other rows of its step. Neither quantizes activations the way llama.cpp does (8 bits).
 // Rows are read ahead with
 // software prefetches (a token's weights come from memory), and the output rows are split
 // over XLA's intra-op thread pool, whose threads read memory in parallel.
-#include <immintrin.h>
-
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "simd.h"
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
-    !defined(__AVX512VNNI__) || !defined(__F16C__)
-#error "xlaserve's CPU kernels need AVX-512 (F, BW, VL, VNNI) and F16C"
-#endif
+namespace xlaserve::qmatmul {
 
-namespace ffi = xla::ffi;
-
-namespace {
+using namespace simd;
 
 constexpr int64_t kMaxGroups = 1024;  // groups per output row held in a stack buffer
 constexpr int64_t kChunkRows = 32;    // output rows per unit of work
-
-inline __m512 Values16(const int8_t* p) {  // 16 int8 -> 16 float
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
+constexpr int64_t kMaxMatrices = 4;   // products of the same rows in one call
 
 // Output rows read ahead: the hardware's prefetchers stop at 4 KiB pages, and a token's
 // weights (tens of MB) come from memory, not cache (1 thread, all 30 layers of the default
@@ -58,45 +51,56 @@ constexpr int64_t kAhead = 4;
 
 // Ask for `bytes` from `p` on into the cache, a line at a time (reading past the end of an
 // array is harmless for a prefetch: it never faults).
-inline void Prefetch(const void* p, int64_t bytes) {
+inline void PrefetchBytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+  for (int64_t i = 0; i < bytes; i += 64) Prefetch(c + i);
 }
 
 // One output row's float16 scales (or minimums) -> float32 in `out`.
 inline void Halves(const uint16_t* h, int64_t n, float* out) {
-  for (int64_t g = 0; g < n; g += 16) {
-    const __mmask16 m = n - g >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - g)) - 1);
-    _mm512_mask_storeu_ps(out + g, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, h + g)));
+  int64_t g = 0;
+  for (; g + 16 <= n; g += 16) Store(out + g, FromHalves(h + g));
+  if (g < n) {
+    uint16_t rest[16] = {};
+    float done[16];
+    for (int64_t k = g; k < n; ++k) rest[k - g] = h[k];
+    Store(done, FromHalves(rest));
+    for (int64_t k = g; k < n; ++k) out[k] = done[k - g];
   }
 }
+
+// One matrix of a call: w = q * scale (+ min) of one layer, and its product y [T, O].
+struct Matrix {
+  const void* q;            // [O, I] int8 values, or [O, I / 2] packed (uint8), this layer's
+  bool packed;              // symmetric packed values are stored plus 8: min = -8 * scale
+  const uint16_t* scale;    // [O, G] float16 bits
+  const uint16_t* minimum;  // [O, G] or null
+  float* y;                 // [T, O]
+  int64_t O, G;
+};
 
 struct Prepared;
 
 struct Problem {
   const float* x;         // [T, I]
-  const int8_t* q;        // [O, I] values, or [O, I / 2] packed (uint8), this layer's
-  bool packed;            // symmetric packed values are stored plus 8: min = -8 * scale
-  const uint16_t* scale;  // [O, G] float16 bits
-  const uint16_t* minimum;  // [O, G] or null
+  Matrix m;
   const float* xsum;      // [T, G]: each group's sum of x (one value per int8 with minimums)
   const Prepared* prep;   // packed: x's rows as integer digits
-  float* y;               // [T, O]
-  int64_t T, I, O, G;
+  int64_t T, I;
   int shift;              // packed: log2 of the blocks of 32 per scale group
 };
 
 // Packed output row o: its values, read ahead kAhead rows on, and its scales and minimums
 // as float32 in sc and mn (symmetric values are stored plus 8: minimum = -8 * scale).
 inline const uint8_t* PackedRowStart(const Problem& p, int64_t o, float* sc, float* mn) {
-  const int64_t G = p.G, row = p.I / 2;
-  const uint8_t* qo = reinterpret_cast<const uint8_t*>(p.q) + o * row;
-  Prefetch(qo + kAhead * row, row);
-  Prefetch(p.scale + (o + kAhead) * G, 2 * G);
-  if (p.minimum) Prefetch(p.minimum + (o + kAhead) * G, 2 * G);
-  Halves(p.scale + o * G, G, sc);
-  if (p.minimum) {
-    Halves(p.minimum + o * G, G, mn);
+  const int64_t G = p.m.G, row = p.I / 2;
+  const uint8_t* qo = static_cast<const uint8_t*>(p.m.q) + o * row;
+  PrefetchBytes(qo + kAhead * row, row);
+  PrefetchBytes(p.m.scale + (o + kAhead) * G, 2 * G);
+  if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G);
+  Halves(p.m.scale + o * G, G, sc);
+  if (p.m.minimum) {
+    Halves(p.m.minimum + o * G, G, mn);
   } else {
     for (int64_t g = 0; g < G; ++g) mn[g] = -8.0f * sc[g];
   }
@@ -108,10 +112,10 @@ inline const uint8_t* PackedRowStart(const Problem& p, int64_t o, float* sc, flo
 // block's largest |x| / (2^23 - 1) (float32's precision at the block's largest value), split
 // into three bytes, a signed high one and two unsigned ones (x = s * (65536 * high + 256 *
 // middle + low)), so that the products with 4-bit values run as integer dot products
-// (AVX-512 VNNI: 64 byte pairs an instruction), exact. The bytes are laid out as a packed
-// block's nibbles are: per quad of 4 blocks, 64 bytes for the values at the low nibbles'
-// places (each block's inputs 0-15), 64 for those at the high ones' (16-31); high bytes
-// first, then middle, then low.
+// (64 byte pairs a DotNibblesSigned), exact. The bytes are laid out as a packed block's
+// nibbles are: per quad of 4 blocks, 64 bytes for the values at the low nibbles' places (each
+// block's inputs 0-15), 64 for those at the high ones' (16-31); high bytes first, then middle,
+// then low.
 //
 // Why integers for every row count: each output is then the same operations, in the same
 // order, for a row whatever else the call holds (a lone decode, 64 of them, a prompt's
@@ -122,47 +126,41 @@ constexpr int kDigits = 3;
 
 struct Prepared {
   int64_t Q = 0, Bp = 0;          // quads of blocks in a row; blocks rounded up to 16
-  std::vector<__m512i> digits;    // [T, Q, 2 * kDigits]
-  std::vector<__m512> scale;      // [T, Q]: lanes 4k .. 4k + 3 hold block k's s
+  std::vector<Bytes64> digits;    // [T, Q, 2 * kDigits]
+  std::vector<float> scale;       // [T, Q, 16]: lanes 4k .. 4k + 3 hold block k's s
   std::vector<float> sums;        // [T, Bp]: each block's sum of x as rounded (for the minimums)
 };
 
 void Prepare(const float* x, int64_t T, int64_t I, Prepared* out) {
   const int64_t B = I / 32, Q = (B + 3) / 4, Bp = (B + 15) / 16 * 16;
   const float top = 8388607.0f;  // 2^23 - 1
-  const __m512i lim = _mm512_set1_epi32(8388607), neg = _mm512_set1_epi32(-8388607);
   out->Q = Q;
   out->Bp = Bp;
-  out->digits.assign(T * Q * 2 * kDigits, _mm512_setzero_si512());
-  out->scale.assign(T * Q, _mm512_setzero_ps());
+  out->digits.assign(T * Q * 2 * kDigits, Bytes64{});
+  out->scale.assign(T * Q * 16, 0.0f);
   out->sums.assign(T * Bp, 0.0f);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t b = 0; b < B; ++b) {
       const float* xb = x + t * I + b * 32;
-      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-      const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const Floats v0 = Load(xb), v1 = Load(xb + 16);
+      const float m = ReduceMax(Max(Abs(v0), Abs(v1)));
       const float s = m / top;
-      const __m512 inv = _mm512_set1_ps(m > 0 ? top / m : 0.0f);
-      // Rounded to nearest (the default rounding mode), and clamped: the largest |x| times
-      // inv can round up to 2^23, which the high byte cannot hold.
-      const __m512i i0 = _mm512_max_epi32(
-          neg, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
-      const __m512i i1 = _mm512_max_epi32(
-          neg, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+      const Floats inv = Set(m > 0 ? top / m : 0.0f);
+      // Rounded to nearest, ties to even, and clamped: the largest |x| times inv can round
+      // up to 2^23, which the high byte cannot hold.
+      const Ints i0 = Clamp(RoundToInt(Mul(v0, inv)), -8388607, 8388607);
+      const Ints i1 = Clamp(RoundToInt(Mul(v1, inv)), -8388607, 8388607);
       // The minimums multiply the sum of x as the dots see it: the rounding then errs by
       // sum(w * dx), as a float product would, not by sum(q * scale * dx).
-      out->sums[t * Bp + b] = s * static_cast<float>(
-          _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
+      out->sums[t * Bp + b] = s * static_cast<float>(ReduceAddI(AddI(i0, i1)));
       const int64_t qd = b / 4, k = b % 4;
-      char* d = reinterpret_cast<char*>(&out->digits[(t * Q + qd) * 2 * kDigits]) + 16 * k;
-      for (int j = 0; j < kDigits; ++j) {  // the high byte first (vpmovdb keeps low bits)
+      uint8_t* d = out->digits[(t * Q + qd) * 2 * kDigits].b + 16 * k;
+      for (int j = 0; j < kDigits; ++j) {  // the high byte first
         const int bits = 8 * (kDigits - 1 - j);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 128 * j),
-                         _mm512_cvtepi32_epi8(_mm512_srai_epi32(i0, bits)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 128 * j + 64),
-                         _mm512_cvtepi32_epi8(_mm512_srai_epi32(i1, bits)));
+        StoreBytes(d + 128 * j, i0, bits);
+        StoreBytes(d + 128 * j + 64, i1, bits);
       }
-      float* sc = reinterpret_cast<float*>(&out->scale[t * Q + qd]) + 4 * k;
+      float* sc = &out->scale[(t * Q + qd) * 16 + 4 * k];
       sc[0] = sc[1] = sc[2] = sc[3] = s;
     }
   }
@@ -170,7 +168,7 @@ void Prepare(const float* x, int64_t T, int64_t I, Prepared* out) {
 
 // Output rows [r0, r1) for N rows of x starting at row t0 (as `p.prep` holds them), from packed
 // 4-bit values. A quad of blocks is one 64-byte load, its nibbles (0-15) split once for the N
-// rows; times each row's three bytes they are six VNNI dot products into 32-bit lanes (8
+// rows; times each row's three bytes they are six integer dot products into 32-bit lanes (8
 // inputs of one block each), an exact integer sum, then a float times the block's weight scale
 // and x's; each block's minimum times its sum of x is added at the end. Every row's output is
 // the same sequence of operations whatever N is (see `Prepare`). The result differs from the
@@ -179,53 +177,46 @@ void Prepare(const float* x, int64_t T, int64_t I, Prepared* out) {
 template <int N>
 void PackedTile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
   const Prepared& x = *p.prep;
-  const int64_t G = p.G, B = p.I / 32, Q = x.Q, Bp = x.Bp;
+  const int64_t G = p.m.G, B = p.I / 32, Q = x.Q, Bp = x.Bp;
   const int shift = p.shift;  // block b's group is b >> shift
-  const __m512i nibble = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-  const __m512i by_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const __mmask64 last = B % 4 ? (1ULL << (16 * (B % 4))) - 1 : ~0ULL;  // the last quad's bytes
+  const int64_t last = B % 4 ? 16 * (B % 4) : 64;  // the last quad's bytes
   // Per block: its scale and minimum, 0 past the last block (they meet zero digits and sums).
   alignas(64) float sc[kMaxGroups], mn[kMaxGroups], bs[kMaxGroups], bm[kMaxGroups];
   for (int64_t b = G; b < Bp; ++b) sc[b] = mn[b] = 0.0f;  // rows write [0, G) of these
   for (int64_t b = B; b < Bp; ++b) bs[b] = bm[b] = 0.0f;  // and [0, B) of these
   const float* block_scale = shift ? bs : sc;
   const float* block_min = shift ? bm : mn;
-  const __m512i* digits = &x.digits[t0 * Q * 2 * kDigits];
-  const __m512* xscale = &x.scale[t0 * Q];
+  const Bytes64* digits = &x.digits[t0 * Q * 2 * kDigits];
+  const float* xscale = &x.scale[t0 * Q * 16];
   for (int64_t o = r0; o < r1; ++o) {
     const uint8_t* qo = PackedRowStart(p, o, sc, mn);
     if (shift) {
       for (int64_t b = 0; b < B; ++b) bs[b] = sc[b >> shift], bm[b] = mn[b >> shift];
     }
-    __m512 acc[N];
-    for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
+    Floats acc[N];
+    for (int t = 0; t < N; ++t) acc[t] = Zero();
     for (int64_t qd = 0; qd < Q; ++qd) {
-      const __m512i v = qd + 1 < Q ? _mm512_loadu_si512(qo + 64 * qd)
-                                   : _mm512_maskz_loadu_epi8(last, qo + 64 * qd);
-      const __m512i lo = _mm512_and_si512(v, nibble);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      const __m512 ws = _mm512_permutexvar_ps(
-          by_block, _mm512_castps128_ps512(_mm_load_ps(block_scale + 4 * qd)));
+      const Bytes v = qd + 1 < Q ? LoadB(qo + 64 * qd) : LoadB(qo + 64 * qd, last);
+      const Bytes lo = LowNibbles(v), hi = HighNibbles(v);
+      const Floats ws = Repeat4(block_scale + 4 * qd);
       for (int t = 0; t < N; ++t) {
         // Per 32-bit lane: |high| <= 8 * 15 * 128, so 65536 * high + 256 * middle + low, exact,
         // stays below 2^31.
-        const __m512i* d = digits + (t * Q + qd) * 2 * kDigits;
-        __m512i high = _mm512_dpbusd_epi32(zero, lo, d[0]);  // nibbles unsigned, bytes signed
-        high = _mm512_dpbusd_epi32(high, hi, d[1]);
-        __m512i middle = _mm512_dpbusd_epi32(zero, d[2], lo);  // bytes unsigned, nibbles signed
-        middle = _mm512_dpbusd_epi32(middle, d[3], hi);
-        __m512i low = _mm512_dpbusd_epi32(zero, d[4], lo);
-        low = _mm512_dpbusd_epi32(low, d[5], hi);
-        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(
-            _mm512_add_epi32(_mm512_slli_epi32(high, 16), _mm512_slli_epi32(middle, 8)), low));
-        acc[t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(ws, xscale[t * Q + qd]), acc[t]);
+        const Bytes64* d = digits + (t * Q + qd) * 2 * kDigits;
+        Ints high = DotNibblesSigned(ZeroI(), lo, LoadB(d[0].b));  // the high bytes are signed
+        high = DotNibblesSigned(high, hi, LoadB(d[1].b));
+        Ints middle = DotUnsignedNibbles(ZeroI(), LoadB(d[2].b), lo);
+        middle = DotUnsignedNibbles(middle, LoadB(d[3].b), hi);
+        Ints low = DotUnsignedNibbles(ZeroI(), LoadB(d[4].b), lo);
+        low = DotUnsignedNibbles(low, LoadB(d[5].b), hi);
+        const Floats sum = ToFloat(AddI(AddI(ShiftLeft(high, 16), ShiftLeft(middle, 8)), low));
+        acc[t] = Fma(sum, Mul(ws, Load(xscale + (t * Q + qd) * 16)), acc[t]);
       }
     }
     for (int t = 0; t < N; ++t) {
       const float* sums = &x.sums[(t0 + t) * Bp];
-      for (int64_t b = 0; b < Bp; b += 16)
-        acc[t] = _mm512_fmadd_ps(_mm512_load_ps(block_min + b), _mm512_loadu_ps(sums + b), acc[t]);
-      p.y[(t0 + t) * p.O + o] = _mm512_reduce_add_ps(acc[t]);
+      for (int64_t b = 0; b < Bp; b += 16) acc[t] = Fma(Load(block_min + b), Load(sums + b), acc[t]);
+      p.m.y[(t0 + t) * p.m.O + o] = ReduceAdd(acc[t]);
     }
   }
 }
@@ -233,82 +224,81 @@ void PackedTile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
 // Output rows [r0, r1) for N rows of x starting at row t0, from one value per int8.
 template <int N>
 void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
-  const int64_t I = p.I, G = p.G, gs = I / G;
+  const int64_t I = p.I, G = p.m.G, gs = I / G;
   const float* x = p.x + t0 * I;
+  const int8_t* q = static_cast<const int8_t*>(p.m.q);
   alignas(64) float sc[kMaxGroups], mn[kMaxGroups];
   for (int64_t o = r0; o < r1; ++o) {
-    const int8_t* qo = p.q + o * I;
-    Prefetch(qo + kAhead * I, I);
-    Prefetch(p.scale + (o + kAhead) * G, 2 * G);
-    if (p.minimum) Prefetch(p.minimum + (o + kAhead) * G, 2 * G);
-    Halves(p.scale + o * G, G, sc);
-    if (p.minimum) Halves(p.minimum + o * G, G, mn);
-    __m512 acc0[N], acc1[N];  // two chains, alternating groups
-    for (int t = 0; t < N; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
+    const int8_t* qo = q + o * I;
+    PrefetchBytes(qo + kAhead * I, I);
+    PrefetchBytes(p.m.scale + (o + kAhead) * G, 2 * G);
+    if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G);
+    Halves(p.m.scale + o * G, G, sc);
+    if (p.m.minimum) Halves(p.m.minimum + o * G, G, mn);
+    Floats acc0[N], acc1[N];  // two chains, alternating groups
+    for (int t = 0; t < N; ++t) acc0[t] = acc1[t] = Zero();
     if (gs == 32) {  // GGUF's blocks and int4's default groups: two groups per trip
       int64_t g = 0;
       for (; g + 1 < G; g += 2) {
         const int8_t* b = qo + g * 32;
-        const __m512 w0 = Values16(b), w1 = Values16(b + 16);
-        const __m512 w2 = Values16(b + 32), w3 = Values16(b + 48);
-        const __m512 s0 = _mm512_set1_ps(sc[g]), s1 = _mm512_set1_ps(sc[g + 1]);
+        const Floats w0 = FromInt8(b), w1 = FromInt8(b + 16);
+        const Floats w2 = FromInt8(b + 32), w3 = FromInt8(b + 48);
+        const Floats s0 = Set(sc[g]), s1 = Set(sc[g + 1]);
         for (int t = 0; t < N; ++t) {
           const float* xt = x + t * I + g * 32;
-          __m512 a = _mm512_mul_ps(w0, _mm512_loadu_ps(xt));
-          __m512 c = _mm512_mul_ps(w2, _mm512_loadu_ps(xt + 32));
-          a = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xt + 16), a);
-          c = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xt + 48), c);
-          acc0[t] = _mm512_fmadd_ps(a, s0, acc0[t]);
-          acc1[t] = _mm512_fmadd_ps(c, s1, acc1[t]);
+          Floats a = Mul(w0, Load(xt));
+          Floats c = Mul(w2, Load(xt + 32));
+          a = Fma(w1, Load(xt + 16), a);
+          c = Fma(w3, Load(xt + 48), c);
+          acc0[t] = Fma(a, s0, acc0[t]);
+          acc1[t] = Fma(c, s1, acc1[t]);
         }
       }
       if (g < G) {
         const int8_t* b = qo + g * 32;
-        const __m512 w0 = Values16(b), w1 = Values16(b + 16);
-        const __m512 s0 = _mm512_set1_ps(sc[g]);
+        const Floats w0 = FromInt8(b), w1 = FromInt8(b + 16);
+        const Floats s0 = Set(sc[g]);
         for (int t = 0; t < N; ++t) {
           const float* xt = x + t * I + g * 32;
-          __m512 a = _mm512_mul_ps(w0, _mm512_loadu_ps(xt));
-          a = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xt + 16), a);
-          acc0[t] = _mm512_fmadd_ps(a, s0, acc0[t]);
+          Floats a = Mul(w0, Load(xt));
+          a = Fma(w1, Load(xt + 16), a);
+          acc0[t] = Fma(a, s0, acc0[t]);
         }
       }
     } else {  // any group of a multiple of 16 inputs (per-channel int8: one group)
       for (int64_t g = 0; g < G; ++g) {
-        __m512 part0[N], part1[N];
-        for (int t = 0; t < N; ++t) part0[t] = part1[t] = _mm512_setzero_ps();
+        Floats part0[N], part1[N];
+        for (int t = 0; t < N; ++t) part0[t] = part1[t] = Zero();
         int64_t k = g * gs;
         for (; k + 32 <= (g + 1) * gs; k += 32) {
-          const __m512 w0 = Values16(qo + k), w1 = Values16(qo + k + 16);
+          const Floats w0 = FromInt8(qo + k), w1 = FromInt8(qo + k + 16);
           for (int t = 0; t < N; ++t) {
-            part0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * I + k), part0[t]);
-            part1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + t * I + k + 16), part1[t]);
+            part0[t] = Fma(w0, Load(x + t * I + k), part0[t]);
+            part1[t] = Fma(w1, Load(x + t * I + k + 16), part1[t]);
           }
         }
         if (k < (g + 1) * gs) {
-          const __m512 w0 = Values16(qo + k);
-          for (int t = 0; t < N; ++t)
-            part0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * I + k), part0[t]);
+          const Floats w0 = FromInt8(qo + k);
+          for (int t = 0; t < N; ++t) part0[t] = Fma(w0, Load(x + t * I + k), part0[t]);
         }
-        const __m512 s = _mm512_set1_ps(sc[g]);
-        for (int t = 0; t < N; ++t)
-          acc0[t] = _mm512_fmadd_ps(_mm512_add_ps(part0[t], part1[t]), s, acc0[t]);
+        const Floats s = Set(sc[g]);
+        for (int t = 0; t < N; ++t) acc0[t] = Fma(Add(part0[t], part1[t]), s, acc0[t]);
       }
     }
     for (int t = 0; t < N; ++t) {
-      float v = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
-      if (p.minimum) {
+      float v = ReduceAdd(Add(acc0[t], acc1[t]));
+      if (p.m.minimum) {
         const float* xs = p.xsum + (t0 + t) * G;
         for (int64_t g = 0; g < G; ++g) v += mn[g] * xs[g];
       }
-      p.y[(t0 + t) * p.O + o] = v;
+      p.m.y[(t0 + t) * p.m.O + o] = v;
     }
   }
 }
 
 void Rows(const Problem& p, int64_t r0, int64_t r1) {
   for (int64_t t = 0; t < p.T; t += 4) {
-    switch ((p.T - t < 4 ? p.T - t : 4) + (p.packed ? 4 : 0)) {
+    switch ((p.T - t < 4 ? p.T - t : 4) + (p.m.packed ? 4 : 0)) {
       case 1: Tile<1>(p, t, r0, r1); break;
       case 2: Tile<2>(p, t, r0, r1); break;
       case 3: Tile<3>(p, t, r0, r1); break;
@@ -327,8 +317,6 @@ void Rows(const Problem& p, int64_t r0, int64_t r1) {
 // alone are 6 chunks for 2 threads) and wait once. A thread that starts after the last chunk
 // was taken touches nothing; the caller returns once every chunk is done (the shared state
 // outlives it in the late tasks' hands).
-constexpr int64_t kMaxMatrices = 4;
-
 struct Work {
   Problem p[kMaxMatrices];
   int64_t first_chunk[kMaxMatrices + 1];  // matrix m's chunks are [first_chunk[m], first_chunk[m + 1])
@@ -342,11 +330,69 @@ struct Work {
       int64_t m = 0;
       while (c >= first_chunk[m + 1]) ++m;
       const int64_t r0 = (c - first_chunk[m]) * kChunkRows;
-      Rows(p[m], r0, r0 + kChunkRows < p[m].O ? r0 + kChunkRows : p[m].O);
+      Rows(p[m], r0, r0 + kChunkRows < p[m].m.O ? r0 + kChunkRows : p[m].m.O);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
+
+// y_m = x [T, I] @ w_m^T for the n matrices (shapes checked by the caller), with up to
+// `helpers` more threads: schedule(task) runs task on one of them.
+template <typename Schedule>
+void Compute(const float* x, int64_t T, int64_t I, const Matrix* matrices, int64_t n,
+             int64_t helpers, Schedule schedule) {
+  auto work = std::make_shared<Work>();
+  work->n = n;
+  work->first_chunk[0] = 0;
+  bool packed = false;
+  for (int64_t m = 0; m < n; ++m) {
+    const Matrix& w = matrices[m];
+    const int64_t G = w.G, gs = I / G;
+    // Packed values carry their minimums in each group's table; only one value per int8 with
+    // minimums needs the group sums of x.
+    std::vector<float>& xsum = work->xsum[m];
+    xsum.resize(w.minimum && !w.packed ? T * G : 0);
+    for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
+      const float* xg = x + (i / G) * I + (i % G) * gs;
+      Floats s = Zero();
+      for (int64_t k = 0; k < gs; k += 16) s = Add(s, Load(xg + k));
+      xsum[i] = ReduceAdd(s);
+    }
+    const int64_t per_group = I / G / 32;  // packed: blocks per scale group, a power of two
+    work->p[m] = Problem{x, w, xsum.data(), &work->prep, T, I,
+                         w.packed ? __builtin_ctzll(per_group) : 0};
+    work->first_chunk[m + 1] = work->first_chunk[m] + (w.O + kChunkRows - 1) / kChunkRows;
+    packed = packed || w.packed;
+  }
+  if (T == 0) return;
+  if (packed) Prepare(x, T, I, &work->prep);
+  if (helpers > work->first_chunk[n] - 1) helpers = work->first_chunk[n] - 1;
+  for (int64_t i = 0; i < helpers; ++i) schedule([work] { work->Run(); });
+  work->Run();
+  while (work->done.load(std::memory_order_acquire) < work->first_chunk[n]) Pause();
+}
+
+// Why the matrices cannot be multiplied (shapes from the caller's buffers), or null.
+inline const char* Refusal(int64_t I, bool packed, int64_t O, int64_t G, int64_t T,
+                           int64_t y_rows, int64_t y_cols) {
+  if (G < 1 || G > kMaxGroups || I % G || (I / G) % (packed ? 32 : 16) || y_rows != T || y_cols != O)
+    return "xlaserve_qmatmul: shapes do not agree";
+  const int64_t per_group = I / G / 32;
+  if (packed && I / 32 > kMaxGroups) return "xlaserve_qmatmul: packed rows of at most 32768 inputs";
+  if (packed && (per_group & (per_group - 1)))
+    return "xlaserve_qmatmul: packed groups must be 32 times a power of two";
+  return nullptr;
+}
+
+}  // namespace xlaserve::qmatmul
+
+#ifndef XLASERVE_NO_FFI
+#include "xla/ffi/api/ffi.h"
+
+namespace {
+
+namespace ffi = xla::ffi;
+namespace qm = xlaserve::qmatmul;
 
 using Rows2 = ffi::Buffer<ffi::F32, 2>;    // x [T, I]
 using Halves3 = ffi::Buffer<ffi::F16, 3>;  // scale [L, O, G]
@@ -354,9 +400,9 @@ using Index = ffi::Buffer<ffi::S32, 0>;    // layer
 using Out2 = ffi::Buffer<ffi::F32, 2>;     // y [T, O]
 
 // Matrix m's operands are args 3m .. 3m + 2 (values, scales, minimums or [0]) and its
-// product is result m.
-ffi::Error Setup(const float* x, int64_t T, int64_t I, int64_t l, const ffi::RemainingArgs& args,
-                 const ffi::RemainingRets& rets, int64_t m, Work* work) {
+// product is result m: the layer l of each, checked.
+ffi::Error TakeMatrix(int64_t T, int64_t I, int64_t l, const ffi::RemainingArgs& args,
+                  const ffi::RemainingRets& rets, int64_t m, qm::Matrix* out) {
   auto q = args.get<ffi::AnyBuffer>(3 * m);
   auto scale = args.get<Halves3>(3 * m + 1);
   auto minimum = args.get<ffi::AnyBuffer>(3 * m + 2);
@@ -371,69 +417,38 @@ ffi::Error Setup(const float* x, int64_t T, int64_t I, int64_t l, const ffi::Rem
   if (qd.size() != 3) return ffi::Error::InvalidArgument("xlaserve_qmatmul: values must be [L, O, I]");
   const int64_t L = qd[0], O = qd[1], G = sd[2];
   const auto yd = (*y)->dimensions();
-  if (qd[2] * (packed ? 2 : 1) != I || sd[0] != L || sd[1] != O || G < 1 || G > kMaxGroups ||
-      I % G || (I / G) % (packed ? 32 : 16) || yd[0] != T || yd[1] != O)
+  if (qd[2] * (packed ? 2 : 1) != I || sd[0] != L || sd[1] != O)
     return ffi::Error::InvalidArgument("xlaserve_qmatmul: shapes do not agree");
-  const int64_t per_group = I / G / 32;  // packed: blocks per scale group, a power of two
-  if (packed && I / 32 > kMaxGroups)
-    return ffi::Error::InvalidArgument("xlaserve_qmatmul: packed rows of at most 32768 inputs");
-  if (packed && (per_group & (per_group - 1)))
-    return ffi::Error::InvalidArgument("xlaserve_qmatmul: packed groups must be 32 times a power of two");
+  if (const char* why = qm::Refusal(I, packed, O, G, T, yd[0], yd[1]))
+    return ffi::Error::InvalidArgument(why);
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("xlaserve_qmatmul: layer out of range");
   const bool has_min = minimum->element_count() != 0;
   if (has_min && (minimum->element_type() != ffi::DataType::F16 ||
                   minimum->element_count() != scale->element_count()))
     return ffi::Error::InvalidArgument("xlaserve_qmatmul: minimums must match the scales");
-
-  const int64_t gs = I / G;
-  // Packed values carry their minimums in each group's table; only one value per int8 with
-  // minimums needs the group sums of x.
-  std::vector<float>& xsum = work->xsum[m];
-  xsum.resize(has_min && !packed ? T * G : 0);
-  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
-    const float* xg = x + (i / G) * I + (i % G) * gs;
-    __m512 s = _mm512_setzero_ps();
-    for (int64_t k = 0; k < gs; k += 16) s = _mm512_add_ps(s, _mm512_loadu_ps(xg + k));
-    xsum[i] = _mm512_reduce_add_ps(s);
-  }
-  work->p[m] = Problem{x,
-                       static_cast<const int8_t*>(q->untyped_data()) + l * O * (packed ? I / 2 : I),
-                       packed,
-                       reinterpret_cast<const uint16_t*>(scale->typed_data()) + l * O * G,
-                       has_min ? reinterpret_cast<const uint16_t*>(minimum->untyped_data()) + l * O * G
-                               : nullptr,
-                       xsum.data(), &work->prep, (*y)->typed_data(), T, I, O, G,
-                       packed ? __builtin_ctzll(per_group) : 0};
-  work->first_chunk[m + 1] = work->first_chunk[m] + (O + kChunkRows - 1) / kChunkRows;
+  *out = qm::Matrix{static_cast<const int8_t*>(q->untyped_data()) + l * O * (packed ? I / 2 : I),
+                    packed,
+                    reinterpret_cast<const uint16_t*>(scale->typed_data()) + l * O * G,
+                    has_min ? reinterpret_cast<const uint16_t*>(minimum->untyped_data()) + l * O * G
+                            : nullptr,
+                    (*y)->typed_data(), O, G};
   return ffi::Error::Success();
 }
 
 ffi::Error QMatmul(ffi::ThreadPool pool, Rows2 x, Index layer, ffi::RemainingArgs args,
                    ffi::RemainingRets rets) {
   const int64_t n = rets.size();
-  if (n < 1 || n > kMaxMatrices || args.size() != static_cast<size_t>(3 * n))
+  if (n < 1 || n > qm::kMaxMatrices || args.size() != static_cast<size_t>(3 * n))
     return ffi::Error::InvalidArgument("xlaserve_qmatmul: 1 to 4 matrices of 3 operands each");
   const auto xd = x.dimensions();
   const int64_t T = xd[0], I = xd[1], l = *layer.typed_data();
-  auto work = std::make_shared<Work>();
-  work->n = n;
-  work->first_chunk[0] = 0;
+  qm::Matrix matrices[qm::kMaxMatrices];
   for (int64_t m = 0; m < n; ++m) {
-    ffi::Error error = Setup(x.typed_data(), T, I, l, args, rets, m, work.get());
+    ffi::Error error = TakeMatrix(T, I, l, args, rets, m, &matrices[m]);
     if (error.failure()) return error;
   }
-  if (T == 0) return ffi::Error::Success();
-  for (int64_t m = 0; m < n; ++m) {
-    if (work->p[m].packed) {
-      Prepare(x.typed_data(), T, I, &work->prep);
-      break;
-    }
-  }
-  int64_t helpers = pool.num_threads();
-  if (helpers > work->first_chunk[n] - 1) helpers = work->first_chunk[n] - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->first_chunk[n]) _mm_pause();
+  qm::Compute(x.typed_data(), T, I, matrices, n, pool.num_threads(),
+              [&pool](auto task) { pool.Schedule(std::move(task)); });
   return ffi::Error::Success();
 }
 
@@ -447,3 +462,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveQMatmul, QMatmul,
                                   .RemainingArgs()  // per matrix: q [L, O, I] int8 or [L, O, I / 2]
                                                     // uint8, scale [L, O, G], min [L, O, G] or [0]
                                   .RemainingRets());  // per matrix: y [T, O]
+#endif  // XLASERVE_NO_FFI
