@@ -8,7 +8,10 @@ K/V in their own dtype (--kv-cache-dtype); every backend reads that and computes
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import mmap
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -78,11 +81,11 @@ class KVCache:
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
         if jnp.dtype(dtype) not in QUANTIZED_KV:
-            return cls(make(), make())
+            return untouched(cls(make(), make()))
         scale_sharding = None if sharding is None else jax.sharding.NamedSharding(
             sharding.mesh, P(*sharding.spec[:4]))
         scales = jax.jit(lambda: jnp.zeros(shape[:4], jnp.float32), out_shardings=scale_sharding)
-        return cls(make(), make(), scales(), scales())
+        return untouched(cls(make(), make(), scales(), scales()))
 
     @property
     def quantized(self) -> bool:
@@ -151,3 +154,29 @@ def _write_kv(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:
         cache.k_scale.at[layer, pages, offsets].set(ks),
         cache.v_scale.at[layer, pages, offsets].set(vs))
 
+
+_MADV_DONTNEED = 4
+
+
+def untouched(cache: KVCache) -> KVCache:
+    """`cache`'s zeroed pages, their memory handed back to the OS where the arrays live in this
+    process's memory (the CPU backend on Linux): madvise(MADV_DONTNEED) on a private anonymous
+    mapping leaves its pages reading as zeros and faulted in only when written, so the resident
+    set grows with the tokens a step writes (steps donate the pool and write it in place), not
+    with the pool's size. A no-op elsewhere. The arrays must not be in use (just made)."""
+    if not sys.platform.startswith("linux"):
+        return cache
+    page = mmap.PAGESIZE
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for array in jax.tree.leaves(cache):
+        for shard in array.addressable_shards:
+            if shard.device.platform != "cpu":
+                continue
+            data = shard.data
+            data.block_until_ready()
+            start = data.unsafe_buffer_pointer()
+            lo, hi = -(-start // page) * page, (start + data.nbytes) // page * page
+            if hi > lo:  # whole pages only: the edges stay as they are (zeros already)
+                madvise(lo, hi - lo, _MADV_DONTNEED)
+    return cache

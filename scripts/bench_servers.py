@@ -4,6 +4,7 @@ the same client and prompts: `python -m engine.bench serve` at several concurren
     python scripts/bench_servers.py --out bench-results/             # xlaserve only
     python scripts/bench_servers.py --llama-cpp-server "$(scripts/build_llama_cpp.sh | tail -1)"
     python scripts/bench_servers.py --llama-cpp-python /venv/bin/python --out bench-results/
+    python scripts/bench_servers.py --cpu-kernels auto,avx2,none ...   # each kernel variant
 
 Each server is started, waited for, benchmarked at every concurrency and stopped before
 the next one starts, so they never share the CPU. Prompts are random text of common
@@ -77,9 +78,11 @@ def running(cmd: list[str], url: str, ready_path: str, log: Path, timeout: float
 def server_command(name: str, args, gguf: str, port: int) -> tuple[list[str], str]:
     """The command line that serves the default model on port, and its ready path."""
     ctx = args.input_len + args.output_len + 64  # room for prompts a token or two longer
-    if name == "xlaserve":
-        # Default flags: what a new user runs (--xlaserve-args adds any).
-        return [sys.executable, "-m", "server", "--port", str(port),
+    if name.startswith("xlaserve"):
+        # Default flags: what a new user runs (--xlaserve-args adds any; "xlaserve-avx2":
+        # --cpu-kernels avx2).
+        kernels = ["--cpu-kernels", name.split("-", 1)[1]] if "-" in name else []
+        return [sys.executable, "-m", "server", "--port", str(port), *kernels,
                 *args.xlaserve_args.split()], "/health"
     if name == "llama-cpp-server":
         # -c is shared by the -np slots: each gets c / np, rounded up to a multiple of 256 by
@@ -142,6 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"comma-separated, from {','.join(SERVERS)} (default: xlaserve and "
                         "each server whose path is given)")
     p.add_argument("--xlaserve-args", default="", help="extra flags for python -m server")
+    p.add_argument("--cpu-kernels", type=lambda s: s.split(","), default=["auto"],
+                   help="comma-separated --cpu-kernels values: one xlaserve server each, "
+                        "named xlaserve-VALUE (auto: plain xlaserve)")
     p.add_argument("--llama-cpp-server", metavar="PATH",
                    help="llama.cpp's llama-server binary (scripts/build_llama_cpp.sh): "
                         "benchmark it on the same GGUF file too")
@@ -162,7 +168,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     paths = {"llama-cpp-server": args.llama_cpp_server, "llama-cpp-python": args.llama_cpp_python}
     if args.servers is None:
         args.servers = ["xlaserve", *(name for name, path in paths.items() if path)]
+    args.servers = [s for name in args.servers for s in (
+        [name if k == "auto" else f"{name}-{k}" for k in args.cpu_kernels]
+        if name == "xlaserve" else [name])]
     for name in args.servers:
+        if name.split("-", 1)[0] == "xlaserve":
+            continue
         if name not in SERVERS:
             p.error(f"unknown server {name!r} in --servers; known: {', '.join(SERVERS)}")
         if name in paths and not paths[name]:

@@ -266,12 +266,13 @@ def identity() -> str:
 
 
 def summary() -> str:
-    """One line for the start-up log: each kernel's variant, or why it is off."""
+    """One line for the start-up log: each kernel's variant (and the optional features it was
+    built with), or why it is off."""
     parts = []
     for kernel in KERNELS:
         if available(kernel):
             extra = [f for f in _NEEDS[variant(kernel)][1] if f in cpu_features()]
-            with_extra = f" (+{', '.join(extra)})" if extra else ""
+            with_extra = f" (built with {', '.join(extra)})" if extra else ""
             parts.append(f"{kernel} {variant(kernel)}{with_extra}")
         else:
             parts.append(f"{kernel} off ({reason(kernel)})")

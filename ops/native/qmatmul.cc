@@ -23,12 +23,12 @@
 // the dot; and its dot's summation order for a row changes with the number of rows. Here
 // 8-bit values become float weights in registers and are multiplied with x in float32, and
 // 4-bit values run as exact integer dot products with x in 24-bit integers per block of 32
-// (`Prepare`, `PackedTile`: VNNI's dot products, or their exact equivalents), up to 4 rows at once. For any number of rows, each
-// output is the same operations in the same order, so a row's result never depends on the
-// other rows of its step. Neither quantizes activations the way llama.cpp does (8 bits).
-// Rows are read ahead with
-// software prefetches (a token's weights come from memory), and the output rows are split
-// over XLA's intra-op thread pool, whose threads read memory in parallel.
+// (`Prepare`, `PackedTile`: VNNI's dot products, or their exact equivalents), up to 4 rows
+// at once. For any number of rows, each output is the same operations in the same order, so
+// a row's result never depends on the other rows of its step. Neither quantizes activations
+// the way llama.cpp does (8 bits). Rows are read ahead with software prefetches (a token's
+// weights come from memory), and the output rows are split over XLA's intra-op thread pool,
+// whose threads read memory in parallel.
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -60,13 +60,7 @@ inline void PrefetchBytes(const void* p, int64_t bytes) {
 inline void Halves(const uint16_t* h, int64_t n, float* out) {
   int64_t g = 0;
   for (; g + 16 <= n; g += 16) Store(out + g, FromHalves(h + g));
-  if (g < n) {
-    uint16_t rest[16] = {};
-    float done[16];
-    for (int64_t k = g; k < n; ++k) rest[k - g] = h[k];
-    Store(done, FromHalves(rest));
-    for (int64_t k = g; k < n; ++k) out[k] = done[k - g];
-  }
+  if (g < n) Store(out + g, FromHalves(h + g, n - g), n - g);
 }
 
 // One matrix of a call: w = q * scale (+ min) of one layer, and its product y [T, O].
@@ -127,7 +121,7 @@ constexpr int kDigits = 3;
 struct Prepared {
   int64_t Q = 0, Bp = 0;          // quads of blocks in a row; blocks rounded up to 16
   std::vector<Bytes64> digits;    // [T, Q, 2 * kDigits]
-  std::vector<float> scale;       // [T, Q, 16]: lanes 4k .. 4k + 3 hold block k's s
+  std::vector<Bytes64> scale;     // [T, Q]: 16 floats, lanes 4k .. 4k + 3 hold block k's s
   std::vector<float> sums;        // [T, Bp]: each block's sum of x as rounded (for the minimums)
 };
 
@@ -137,7 +131,7 @@ void Prepare(const float* x, int64_t T, int64_t I, Prepared* out) {
   out->Q = Q;
   out->Bp = Bp;
   out->digits.assign(T * Q * 2 * kDigits, Bytes64{});
-  out->scale.assign(T * Q * 16, 0.0f);
+  out->scale.assign(T * Q, Bytes64{});
   out->sums.assign(T * Bp, 0.0f);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t b = 0; b < B; ++b) {
@@ -160,7 +154,7 @@ void Prepare(const float* x, int64_t T, int64_t I, Prepared* out) {
         StoreBytes(d + 128 * j, i0, bits);
         StoreBytes(d + 128 * j + 64, i1, bits);
       }
-      float* sc = &out->scale[(t * Q + qd) * 16 + 4 * k];
+      float* sc = reinterpret_cast<float*>(out->scale[t * Q + qd].b) + 4 * k;
       sc[0] = sc[1] = sc[2] = sc[3] = s;
     }
   }
@@ -187,7 +181,7 @@ void PackedTile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
   const float* block_scale = shift ? bs : sc;
   const float* block_min = shift ? bm : mn;
   const Bytes64* digits = &x.digits[t0 * Q * 2 * kDigits];
-  const float* xscale = &x.scale[t0 * Q * 16];
+  const Bytes64* xscale = &x.scale[t0 * Q];
   for (int64_t o = r0; o < r1; ++o) {
     const uint8_t* qo = PackedRowStart(p, o, sc, mn);
     if (shift) {
@@ -210,7 +204,8 @@ void PackedTile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
         Ints low = DotUnsignedNibbles(ZeroI(), LoadB(d[4].b), lo);
         low = DotUnsignedNibbles(low, LoadB(d[5].b), hi);
         const Floats sum = ToFloat(AddI(AddI(ShiftLeft(high, 16), ShiftLeft(middle, 8)), low));
-        acc[t] = Fma(sum, Mul(ws, Load(xscale + (t * Q + qd) * 16)), acc[t]);
+        const Floats xs = Load(reinterpret_cast<const float*>(xscale[t * Q + qd].b));
+        acc[t] = Fma(sum, Mul(ws, xs), acc[t]);
       }
     }
     for (int t = 0; t < N; ++t) {

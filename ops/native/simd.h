@@ -80,6 +80,13 @@ inline void Store(float* p, Floats a) { _mm512_storeu_ps(p, a.v); }
 inline Floats FromHalves(const uint16_t* p) {
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
+// The first n < 16 halves, zeros after; and a's first n lanes stored.
+inline Floats FromHalves(const uint16_t* p, int64_t n) {
+  return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p))};
+}
+inline void Store(float* p, Floats a, int64_t n) {
+  _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), a.v);
+}
 inline Floats FromBF16(const uint16_t* p) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))};
@@ -681,6 +688,19 @@ inline Ints DotUnsignedNibbles(Ints acc, Bytes u, Bytes nibbles) { return DotUS(
 inline void Prefetch(const void* p) { __builtin_prefetch(p); }
 inline void Pause() {}
 
+#endif
+
+#if !defined(XLASERVE_AVX512)
+inline Floats FromHalves(const uint16_t* p, int64_t n) {  // the first n < 16, zeros after
+  uint16_t rest[16] = {};
+  std::memcpy(rest, p, 2 * n);
+  return FromHalves(rest);
+}
+inline void Store(float* p, Floats a, int64_t n) {  // a's first n lanes
+  float all[16];
+  Store(all, a);
+  std::memcpy(p, all, 4 * n);
+}
 #endif
 
 }  // namespace xlaserve::simd
