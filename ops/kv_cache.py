@@ -164,8 +164,9 @@ def untouched(cache: KVCache) -> KVCache:
     mapping leaves its pages reading as zeros and faulted in only when written, so the resident
     set grows with the tokens a step writes (steps donate the pool and write it in place), not
     with the pool's size. A no-op elsewhere. The arrays must not be in use (just made)."""
-    if not sys.platform.startswith("linux"):
-        return cache
+    if not sys.platform.startswith("linux") or any(
+            isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(cache)):
+        return cache  # elsewhere, or traced (jax.eval_shape of a pool): nothing to hand back
     page = mmap.PAGESIZE
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
