@@ -29,6 +29,7 @@ not, the library is built in a private temporary directory, loaded from there an
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -65,7 +66,8 @@ _NEEDS = {
                ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c", "-mfma", "-mtune=native"]),
     "avx2": (("avx2", "fma", "f16c"), {"avx_vnni": ["-mavxvnni"]},
              ["-mavx2", "-mfma", "-mf16c", "-mtune=native"]),
-    "neon": (("asimd",), {"asimddp": ["-march=armv8.2-a+dotprod"]}, []),
+    # every AArch64 CPU has Advanced SIMD (some kernels omit the flag); the last -march wins
+    "neon": ((), {"asimddp": ["-march=armv8.2-a+dotprod"]}, ["-march=armv8-a"]),
     "portable": ((), {}, ["-march=native"]),
 }
 
@@ -75,16 +77,17 @@ _state: dict[str, dict] = {}  # kernel -> {"library", "name", "variant"} or {"re
 _registered: dict[str, str] = {}  # custom call -> the library registered for it (once a process)
 
 
-def cpu_features() -> set[str]:
+@functools.cache
+def cpu_features() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo names them (x86 `flags`, ARM `Features`)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def runs_here(variant: str, features: set[str] | None = None, machine: str | None = None) -> bool:
@@ -94,8 +97,6 @@ def runs_here(variant: str, features: set[str] | None = None, machine: str | Non
     arch = {"avx512": _X86, "avx2": _X86, "neon": _ARM}.get(variant)
     if arch is not None and machine not in arch:
         return False
-    if variant == "neon":  # every AArch64 CPU has Advanced SIMD (some kernels omit the flag)
-        return True
     return set(_NEEDS[variant][0]) <= features
 
 
@@ -104,8 +105,6 @@ def compile_flags(variant: str, features: set[str] | None = None) -> list[str]:
     features = cpu_features() if features is None else features
     _, optional, flags = _NEEDS[variant]
     extra = [f for feature, fs in optional.items() if feature in features for f in fs]
-    if variant == "neon" and not extra:
-        extra = ["-march=armv8-a"]
     return [*FLAGS, f"-DXLASERVE_{variant.upper()}", *flags, *extra]
 
 

@@ -237,8 +237,9 @@ inline Floats TimesPow2(Floats a, Floats n) {  // n in [-126, 127]: 2^n is a nor
   return {_mm256_mul_ps(a.lo, Pow2(n.lo)), _mm256_mul_ps(a.hi, Pow2(n.hi))};
 }
 inline Floats Repeat4(const float* s) {
-  return {_mm256_setr_ps(s[0], s[0], s[0], s[0], s[1], s[1], s[1], s[1]),
-          _mm256_setr_ps(s[2], s[2], s[2], s[2], s[3], s[3], s[3], s[3])};
+  const __m256 four = _mm256_castps128_ps256(_mm_loadu_ps(s));
+  return {_mm256_permutevar8x32_ps(four, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)),
+          _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3))};
 }
 inline float ReduceAdd(Floats a) {
   const __m256 h = _mm256_add_ps(a.lo, a.hi);
@@ -313,10 +314,12 @@ inline Bytes LoadB(const void* p) {
   const __m256i* q = static_cast<const __m256i*>(p);
   return {_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)};
 }
-inline Bytes LoadB(const void* p, int64_t n) {
-  alignas(64) uint8_t tmp[64] = {};
-  std::memcpy(tmp, p, n);
-  return LoadB(tmp);
+inline Bytes LoadB(const void* p, int64_t n) {  // n <= 64, a multiple of 4: zeros after
+  const __m256i lane = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)), lane);
+  const __m256i hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n) - 32), lane);
+  const int* q = static_cast<const int*>(p);
+  return {_mm256_maskload_epi32(q, lo), _mm256_maskload_epi32(q + 8, hi)};  // no fault past n
 }
 inline Bytes LowNibbles(Bytes a) {
   const __m256i m = _mm256_set1_epi8(0x0F);
