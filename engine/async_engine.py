@@ -51,6 +51,7 @@ class EngineStats:
     kv_usage: float = 0.0               # fraction of usable KV blocks held by sequences
     num_free_blocks: int = 0
     num_usable_blocks: int = 0
+    num_touched_blocks: int = 0         # blocks written at least once (BlockManager)
     kv_cache_bytes: int = 0             # the KV pool's bytes on the device
     weight_bytes: int = 0               # the weights' bytes on the device
     prefix_cache_queries: int = 0       # full blocks looked up in the prefix cache
@@ -212,7 +213,8 @@ class AsyncEngine:
         return EngineStats(
             num_running=len(sched.running), num_waiting=self.num_waiting,
             kv_usage=bm.usage, num_free_blocks=bm.num_free_blocks,
-            num_usable_blocks=bm.num_usable_blocks, kv_cache_bytes=engine.runner.kv_bytes(),
+            num_usable_blocks=bm.num_usable_blocks, num_touched_blocks=bm.num_touched_blocks,
+            kv_cache_bytes=engine.runner.kv_bytes(),
             weight_bytes=engine.runner.weight_bytes, **counters,
             num_restarts=self.num_restarts, alive=self.alive and cluster.lost() is None,
             warm=engine.runner.warm)

@@ -54,6 +54,10 @@ class BlockManager:
         # Blocks with ref count 0, the next one to hand out first.
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(
             range(1, num_blocks))
+        # The highest block handed out so far. Never-used blocks go out in ascending order, so
+        # blocks 1..this one are every block ever written: on the CPU the pool's memory becomes
+        # resident as they are (ops.kv_cache.untouched).
+        self.num_touched_blocks = 0
         self.prefix_cache_queries = 0  # full blocks of admitted sequences
         self.prefix_cache_hits = 0     # of those, how many reused a cached block
 
@@ -132,6 +136,7 @@ class BlockManager:
         block, _ = self._free.popitem(last=False)
         self._uncache(block)
         self._ref_counts[block] = 1
+        self.num_touched_blocks = max(self.num_touched_blocks, block)
         return block
 
     def _uncache(self, block: int) -> None:

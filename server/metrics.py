@@ -38,6 +38,8 @@ _ENGINE_METRICS = [
     ("num_free_kv_blocks", "KV blocks no sequence holds (prefix-cached ones included).",
      "num_free_blocks", "gauge"),
     ("num_kv_blocks", "Usable KV blocks.", "num_usable_blocks", "gauge"),
+    ("num_touched_kv_blocks", "KV blocks written at least once since the engine started (on "
+     "the CPU the pool's memory becomes resident as they are).", "num_touched_blocks", "gauge"),
     ("kv_cache_bytes", "Bytes of the KV pool on the device (every page).", "kv_cache_bytes",
      "gauge"),
     ("weight_bytes", "Bytes of the weights on the device.", "weight_bytes", "gauge"),

@@ -272,6 +272,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(num_blocks=12, block_size=BS)
         self.seqs: list[Sequence] = []
         self.kv: dict[tuple[int, int], tuple] = {}
+        self.ever_held: set[int] = set()
 
     def _key(self, seq, pos):
         return (getattr(seq, "cache_salt", None), tuple(seq.token_ids[:pos + 1]))
@@ -335,6 +336,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_invariants(self.seqs)
         held = len({b for s in self.seqs for b in s.block_table})
         assert self.bm.num_free_blocks + held == self.bm.num_usable_blocks
+
+    @invariant()
+    def the_touched_blocks_are_exactly_those_ever_held(self):
+        """Blocks 1..num_touched_blocks are every block ever handed out (the pool's memory on
+        the CPU is resident only there)."""
+        self.ever_held.update(b for s in self.seqs for b in s.block_table)
+        assert self.ever_held == set(range(1, self.bm.num_touched_blocks + 1))
 
     @invariant()
     def every_sequence_reads_its_own_kv(self):
