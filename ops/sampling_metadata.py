@@ -1,7 +1,7 @@
 """What the step's sampler reads per row and what it returns: `SamplingMetadata` (every
 per-request parameter a traced [S] array, so a new temperature never recompiles, and the
 per-slot penalty tables the engine keeps on the device) and `SampleOutput`; each row's
-seed and the key it draws with.
+seed and the uniform it draws with (`row_uniforms`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 NUM_TOP_LOGPROBS = 20  # top logprobs computed per row; the engine slices to the requested N
 MAX_BANNED = 16        # ids per row that min_tokens can keep from being picked
@@ -83,9 +85,35 @@ def seed_words(seed: int) -> tuple[int, int]:
     return seed >> 32, seed & 0xFFFFFFFF
 
 
-def row_keys(md: SamplingMetadata) -> jax.Array:
-    """[S] typed PRNG keys that depend only on the row's (seed, step): the same request draws
-    the same token whatever else is in the batch and wherever its row sits."""
-    keys = jax.random.wrap_key_data(md.seeds, impl="threefry2x32")  # [S]
-    return jax.vmap(jax.random.fold_in)(keys, md.steps)
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
+
+def threefry2x32(k0: jax.Array, k1: jax.Array, x0: jax.Array,
+                 x1: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The Threefry-2x32 block cipher (20 rounds; Salmon et al., "Parallel random numbers: as
+    easy as 1, 2, 3", SC 2011) of counter (x0, x1) under key (k0, k1), elementwise over
+    uint32 arrays: the function behind jax.random's default keys. Written out round by round
+    so that XLA fuses it into one kernel (jax's own CPU lowering is a loop of five steps, ~25
+    kernels, each resident memory once loaded and a dispatch per step)."""
+    ks = (k0, k1, k0 ^ k1 ^ np.uint32(0x1BD11BDA))
+    x0, x1 = x0 + ks[0], x1 + ks[1]
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x0 = x0 + x1
+            x1 = x0 ^ ((x1 << np.uint32(r)) | (x1 >> np.uint32(32 - r)))
+        x0 = x0 + ks[(i + 1) % 3]
+        x1 = x1 + ks[(i + 2) % 3] + np.uint32(i + 1)
+    return x0, x1
+
+
+def row_uniforms(md: SamplingMetadata) -> jax.Array:
+    """[S] f32 in [0, 1), one per row, that depends only on the row's (seed, step): the same
+    request draws the same token whatever else is in the batch and wherever its row sits.
+    Bit for bit `jax.random.uniform(jax.random.fold_in(key, step))` with `key` the row's
+    seed as threefry key data (jax's default, partitionable random bits)."""
+    zero = jnp.zeros_like(md.seeds[:, 0])
+    k0, k1 = threefry2x32(md.seeds[:, 0], md.seeds[:, 1], zero,
+                          md.steps.astype(jnp.uint32))                      # fold_in(key, step)
+    bits = jnp.bitwise_xor(*threefry2x32(k0, k1, zero, zero))             # random_bits(key, 32)
+    one = np.array(1.0, np.float32).view(np.uint32)
+    return lax.bitcast_convert_type((bits >> np.uint32(9)) | one, jnp.float32) - 1.0
