@@ -173,6 +173,13 @@ class ModelRunner(StepTable):
             list(config.seq_buckets))
         if jax.default_backend() == "cpu":
             logger.info("CPU kernels: %s", native.summary())
+            if (model.quant and not native.available("qmatmul")
+                    and not getattr(model, "int8_activations", False)):
+                logger.warning(
+                    "the quantized products run in XLA without the CPU kernel, several times "
+                    "slower at one stream; --quantization w8a8 is XLA's fastest path on CPU "
+                    "(the default model: 1.6x faster at one stream, 1.5x at 64) at some "
+                    "accuracy (docs/models.md)")
         self.compilations_after_warmup = 0
         self.step_seconds: dict[int, float] = {}  # token bucket -> seconds (_time_steps)
         self.warm = False

@@ -80,8 +80,11 @@ else:
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
         suite = ET.parse(report).getroot().find("testsuite")
         assert int(suite.get("tests")) == len(TESTS) and int(suite.get("skipped")) == 0
-        # The child's live server (conftest.py's live_server logs there) ran the reference.
-        assert ", reference attention," in (basetemp / "server0" / "server.log").read_text()
+        # The child's live server (conftest.py's live_server logs there) ran the reference,
+        # and said that its quantized products ran without the kernel, and what is faster.
+        log = (basetemp / "server0" / "server.log").read_text()
+        assert ", reference attention," in log
+        assert "without the CPU kernel" in log and "--quantization w8a8" in log
 
         off, on = json.loads((basetemp / TOKENS_FILE).read_text()), _greedy(live_server)
         assert len(off["ids"]) == len(on["ids"]) == 16
