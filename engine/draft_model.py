@@ -2,14 +2,14 @@
 the k tokens a decode brings to the target's step (engine/speculative.py verifies them).
 
 The scheduler books a drafting decode's k positions as TO_DRAW (engine/scheduler.py), and
-before the step is built the draft model draws them: one step of the draft model gives
-every drafting sequence its first draft, then k - 1 one-token steps the rest. Each draft is
-drawn as the target will draw that position: with the target's sampling parameters and the
-uniform of the position (seed, output index; ops.sampling_metadata.row_uniforms), so where the two
-models' distributions agree, their draws (inverse CDFs at one uniform) agree, and the
-target keeps the draft. The target keeps a draft only where its own draw is that token, so
-the output is the target's draws: identical to a run without speculation, greedy or
-seeded, and distributed as the target's.
+before the step is built the draft model draws them: one step of the draft model gives every
+drafting sequence its first draft, then k - 1 one-token steps the rest. Each draft is drawn
+as the target will draw that position: with the target's sampling parameters and the uniform
+of the position (seed, output index; ops.sampling_metadata.row_uniforms), so where the two
+models' distributions agree, their draws (inverse CDFs at one uniform) agree, and the target
+keeps the draft. The target keeps a draft only where its own draw is that token, so the
+output is the target's draws: identical to a run without speculation, greedy or seeded, and
+distributed as the target's.
 
 The draft model has its own runner (its own compile table, executables and KV pool) over
 the target's page tables: the same pages, each holding the draft's K/V in its own pool. A

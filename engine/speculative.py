@@ -3,12 +3,12 @@ drafts; a draft model's drafts are drawn by engine/draft_model.py into the posit
 scheduler books for them, and verified here the same way.
 
 A sequence that drafts brings its last token and k proposed tokens to a step as one ragged
-chunk; the head samples a token after each of those k + 1 positions, every row with the key
-of the position it samples (seed, output index; ops.sampling_metadata.row_uniforms), so each row
-draws exactly the token a plain decode would draw there. The scheduler keeps the drafts up to
-the first one that differs from the token sampled before it, plus that sampled token
-(`accept`), and rolls the rest back: its K/V positions are recomputed later, its pages freed,
-and the prefix cache only ever holds computed, verified tokens (engine/scheduler.py).
+chunk; the head samples a token after each of those k + 1 positions, every row with the
+uniform of the position it samples (seed, output index; ops.sampling_metadata.row_uniforms),
+so each row draws exactly the token a plain decode would draw there. The scheduler keeps the
+drafts up to the first one that differs from the token sampled before it, plus that sampled
+token (`accept`), and rolls the rest back: its K/V positions are recomputed later, its pages
+freed, and the prefix cache only ever holds computed, verified tokens (engine/scheduler.py).
 
 For a draft without probabilities (one token, as prompt lookup proposes) this is rejection
 sampling: the draft d is kept with probability p(d), the target's probability after every
