@@ -25,12 +25,14 @@ def client(live_server):
 
 
 def metrics(url: str) -> dict[str, float]:
+    """The server's `xlaserve:` series by name (its one model's), and the process's own
+    (`process_resident_memory_bytes`, ...), from one scrape."""
     text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {SERVER_KEY}"}).text
     out = {}
     for line in text.splitlines():
-        m = re.match(r'^xlaserve:(\w+)\{model_name="[^"]+"\} (\S+)$', line)
+        m = re.match(r'^(?:xlaserve:(\w+)\{model_name="[^"]+"\}|(process_\w+)) (\S+)$', line)
         if m:
-            out[m.group(1)] = float(m.group(2))
+            out[m.group(1) or m.group(2)] = float(m.group(3))
     return out
 
 

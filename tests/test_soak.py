@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 
 import httpx
 import pytest
@@ -32,14 +31,10 @@ BAD = [  # (body changes, status): bad input mixed into the load
 def memory(url: str) -> dict:
     """The server's resident bytes, and how many of them its KV pool's written blocks may
     explain: on the CPU a pool page becomes resident when a block in it is first written."""
-    text = httpx.get(f"{url}/metrics", headers=AUTH).text
-
-    def value(name: str) -> float:
-        return float(re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M).group(1))
-
-    block_bytes = value("xlaserve:kv_cache_bytes") / (value("xlaserve:num_kv_blocks") + 1)
-    return {"rss": value("process_resident_memory_bytes"),
-            "pool": value("xlaserve:num_touched_kv_blocks") * block_bytes}
+    m = metrics(url)
+    block_bytes = m["kv_cache_bytes"] / (m["num_kv_blocks"] + 1)
+    return {"rss": m["process_resident_memory_bytes"],
+            "pool": m["num_touched_kv_blocks"] * block_bytes}
 
 
 def _request(rng: random.Random) -> tuple[dict, str]:
