@@ -133,6 +133,7 @@ class AsyncEngine:
         (too long, empty, overloaded, engine down) raise here, before anything is queued."""
         self._check_accepting()
         params = params or SamplingParams()
+        self.engine.check_logit_bias(params)
         ids = await self.encode(prompt, add_special_tokens)
         if params.structured_outputs is not None:
             await self.compile_grammar(params.structured_outputs)

@@ -2,10 +2,10 @@
 
 Each running sequence holds a slot (0 .. max_num_seqs - 1) from the step that admits it
 until it finishes or is preempted. What a request fixes (sampling parameters, seed, stop
-ids banned before min_tokens, prompt length) is written into the slot's columns once, at
-admission; a page table row per slot grows as the sequence's blocks do. A step is then a
-few vectorised gathers from those columns plus the new rows' token ids, laid out in two
-buffers (one int32, one float32), so the device gets two transfers a step.
+ids banned before min_tokens, logit_bias, prompt length) is written into the slot's columns
+once, at admission; a page table row per slot grows as the sequence's blocks do. A step is
+then a few vectorised gathers from those columns plus the new rows' token ids, laid out in
+two buffers (one int32, one float32), so the device gets two transfers a step.
 
 The layouts (`body_layout`, `sampling_layout`) are the one definition of where each input
 sits: `StepBatch` exposes named views into the buffers (tests, fake runners) and the model
@@ -34,12 +34,13 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.config import EngineConfig
-from engine.sampling_params import FLOAT_DTYPE, INT_DTYPE
+from engine.sampling_params import FLOAT_DTYPE, INT_DTYPE, MAX_LOGIT_BIAS
 from engine.scheduler import SchedulerOutput
 from engine.sequence import PENDING, Sequence, SequenceStatus
 
 # Ids a row can be kept from picking (EOS + stop token ids before min_tokens); equals
-# ops.sampling_metadata.MAX_BANNED, which this bookkeeping module may not import.
+# ops.sampling_metadata.MAX_BANNED, which this bookkeeping module may not import (as
+# MAX_LOGIT_BIAS equals its namesake there; tests/test_logit_bias.py checks both).
 MAX_BANNED = 16
 
 FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -47,7 +48,10 @@ FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
 NEUTRAL = {"top_p": 1.0, "repetition_penalty": 1.0}  # other columns: 0 = off
 # int32 sampling rows: name -> how many rows of the buffer it takes ([S] or [S, k] columns)
 INT_COLUMNS = {"top_k": 1, "steps": 1, "num_top_logprobs": 1, "slots": 1, "seeds": 2,
-               "banned_tokens": MAX_BANNED, "constrained": 1}
+               "banned_tokens": MAX_BANNED, "constrained": 1,
+               "logit_bias_ids": MAX_LOGIT_BIAS}
+# float32 sampling rows: FLOAT_COLUMNS ([S] each), then these ([S, k] columns)
+FLOAT_BLOCKS = {"logit_bias": MAX_LOGIT_BIAS}
 
 
 @functools.cache
@@ -76,13 +80,26 @@ def body_tokens(config: EngineConfig, size: int) -> int:
 
 @functools.cache
 def sampling_layout() -> dict[str, tuple[int, int]]:
-    """Rows of the [k, S] int32 sampling buffer: name -> (first row, rows). Float columns are
-    the rows of a [len(FLOAT_COLUMNS), S] float32 buffer in FLOAT_COLUMNS order."""
+    """Rows of the [k, S] int32 sampling buffer: name -> (first row, rows)."""
+    return _rows(INT_COLUMNS)
+
+
+@functools.cache
+def float_layout() -> dict[str, tuple[int, int]]:
+    """Rows of the [k, S] float32 sampling buffer: name -> (first row, rows); FLOAT_COLUMNS
+    first, in their order."""
+    return _rows({**dict.fromkeys(FLOAT_COLUMNS, 1), **FLOAT_BLOCKS})
+
+
+def _rows(columns: dict[str, int]) -> dict[str, tuple[int, int]]:
     out, row = {}, 0
-    for name, rows in INT_COLUMNS.items():
+    for name, rows in columns.items():
         out[name] = (row, rows)
         row += rows
     return out
+
+
+NUM_FLOAT_ROWS = len(FLOAT_COLUMNS) + sum(FLOAT_BLOCKS.values())
 
 
 def _size(layout: dict[str, tuple[int, tuple]]) -> int:
@@ -103,10 +120,11 @@ def _template(config: EngineConfig, bucket: tuple[int, int]):
             body[start:end] = -1
     ints = np.zeros((sum(INT_COLUMNS.values()), s), INT_DTYPE)
     layout_s = sampling_layout()
-    r, k = layout_s["banned_tokens"]
-    ints[r:r + k] = -1
+    for name in ("banned_tokens", "logit_bias_ids"):  # -1: no id
+        r, k = layout_s[name]
+        ints[r:r + k] = -1
     ints[layout_s["slots"][0]] = config.max_num_seqs  # the spare, neutral slot
-    floats = np.zeros((len(FLOAT_COLUMNS), s), FLOAT_DTYPE)
+    floats = np.zeros((NUM_FLOAT_ROWS, s), FLOAT_DTYPE)
     for i, name in enumerate(FLOAT_COLUMNS):
         floats[i] = NEUTRAL.get(name, 0.0)
     return body, ints, floats, views
@@ -122,7 +140,7 @@ class StepBatch:
                                    # (rows past it are padding)
     body: np.ndarray               # int32 buffer, laid out by body_layout
     sampling_ints: np.ndarray      # [sum(INT_COLUMNS.values()), S] int32
-    sampling_floats: np.ndarray    # [len(FLOAT_COLUMNS), S] float32
+    sampling_floats: np.ndarray    # [NUM_FLOAT_ROWS, S] float32, laid out by float_layout
     # (slot, prompt ids, output ids) of slots whose penalty counts start afresh this step
     resets: list[tuple[int, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
     # The constrained rows' token mask ([S, ceil(V / 32)] int32, engine/grammar.py), computed
@@ -138,11 +156,14 @@ class StepBatch:
 
     @property
     def sampling(self) -> dict[str, np.ndarray]:
-        """The sampling rows by name: [S] columns, seeds [S, 2] uint32, banned [S, B]."""
-        out = {name: self.sampling_floats[i] for i, name in enumerate(FLOAT_COLUMNS)}
-        for name, (row, rows) in sampling_layout().items():
-            block = self.sampling_ints[row:row + rows]
-            out[name] = block[0] if rows == 1 else block.T
+        """The sampling rows by name: [S] columns, seeds [S, 2] uint32, banned [S, B], logit
+        bias ids and biases [S, L]."""
+        out = {}
+        for layout, buffer in ((sampling_layout(), self.sampling_ints),
+                               (float_layout(), self.sampling_floats)):
+            for name, (row, rows) in layout.items():
+                block = buffer[row:row + rows]
+                out[name] = block[0] if rows == 1 else block.T
         out["seeds"] = out["seeds"].view(np.uint32)
         return out
 
@@ -178,6 +199,8 @@ class InputBatch:
         self.num_top_logprobs = np.full(n + 1, -1, np.int32)  # -1: no logprobs
         self.seeds = np.zeros((n + 1, 2), np.uint32)
         self.banned = np.full((n + 1, MAX_BANNED), -1, INT_DTYPE)
+        self.bias_ids = np.full((n + 1, MAX_LOGIT_BIAS), -1, INT_DTYPE)  # sorted, then -1
+        self.biases = np.zeros((n + 1, MAX_LOGIT_BIAS), FLOAT_DTYPE)
         self.min_tokens = np.zeros(n + 1, INT_DTYPE)
         self.constrained = np.zeros(n + 1, np.int32)  # follows a grammar (engine/grammar.py)
         self.prompt_lens = np.zeros(n + 1, np.int32)
@@ -218,6 +241,11 @@ class InputBatch:
         banned = banned[:MAX_BANNED] if p.min_tokens and p.structured_outputs is None else []
         self.banned[slot] = -1
         self.banned[slot, :len(banned)] = banned
+        self.bias_ids[slot], self.biases[slot] = -1, 0.0
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias, strict=True)
+            self.bias_ids[slot, :len(ids)] = ids
+            self.biases[slot, :len(ids)] = biases
         self.min_tokens[slot] = p.min_tokens
         self.constrained[slot] = p.structured_outputs is not None
         self.prompt_lens[slot] = seq.num_prompt_tokens
@@ -292,7 +320,7 @@ class InputBatch:
         # index of the token each row draws: the same key as a plain decode drawing it
         steps = (starts + n_new)[entry_of] - back - self.prompt_lens[rs]
         ints, layout = batch.sampling_ints, sampling_layout()
-        batch.sampling_floats[:, :num_rows] = self.floats[:, rs]
+        batch.sampling_floats[:len(FLOAT_COLUMNS), :num_rows] = self.floats[:, rs]
         for name, col in (("top_k", self.top_k[rs]),
                           ("steps", np.where(samples[entry_of], steps, 0)),
                           ("num_top_logprobs", self.num_top_logprobs[rs]), ("slots", rs),
@@ -303,4 +331,9 @@ class InputBatch:
         r = layout["banned_tokens"][0]
         early = (steps < self.min_tokens[rs])[:, None]
         ints[r:r + MAX_BANNED, :num_rows] = np.where(early, self.banned[rs], -1).T
+        if (self.bias_ids[rs, 0] >= 0).any():  # the template's columns are "no bias"
+            r = layout["logit_bias_ids"][0]
+            ints[r:r + MAX_LOGIT_BIAS, :num_rows] = self.bias_ids[rs].T
+            r = float_layout()["logit_bias"][0]
+            batch.sampling_floats[r:r + MAX_LOGIT_BIAS, :num_rows] = self.biases[rs].T
         return batch

@@ -29,7 +29,7 @@ from engine.draft_model import DraftModel
 from engine.grammar import Grammars, advance, allowed_drafts
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, TextState, TokenLogprob, accumulate
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.speculative import StepCosts, drop_drafts
@@ -123,11 +123,21 @@ class LLMEngine:
                                       f"[0, {self.vocab_size})")
         return [int(i) for i in ids]
 
+    def check_logit_bias(self, params: SamplingParams) -> None:
+        """A request's logit_bias ids against the vocabulary, as `encode` checks prompt ids
+        (SamplingParams checked the rest)."""
+        if self.vocab_size is not None and params.logit_bias:
+            bad = [i for i, _ in params.logit_bias if i >= self.vocab_size]
+            if bad:
+                raise SamplingParamsError("logit_bias", f"logit_bias: token id {bad[0]} is "
+                                          f"outside the vocabulary [0, {self.vocab_size})")
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
         """Queue a request; `cache_salt` keeps its prefix-cache blocks apart from requests
         with another salt (or none)."""
         params = params or SamplingParams()
+        self.check_logit_bias(params)
         ids = self.encode(prompt)
         self.scheduler.check_fits(len(ids), params.max_tokens)  # raises RequestRejected
         if request_id is None:

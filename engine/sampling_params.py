@@ -9,10 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
+from collections.abc import Mapping
 
 import numpy as np
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # choices per prompt: OpenAI's limit (the extra sequences wait for a free slot)
+# logit_bias entries per request: OpenAI's documented limit (its legacy docs: "up to 300"),
+# so a client written against OpenAI is not refused here. Each step's sampling buffers carry
+# this many (id, bias) columns per row (engine/batch.py), about 2.4 KiB a row; rows without a
+# bias cost the sampler nothing (ops/sampling.py).
+MAX_LOGIT_BIAS = 300
+MAX_BIAS = 100.0  # |bias|: -100 bans the token, +100 makes it the only choice (see below)
+_TOKEN_KEY = re.compile(r"0|[1-9][0-9]*")  # a token id as a JSON object key (OpenAI's form)
 # The step buffers' dtypes (engine/batch.py): a request's integers (top_k, min_tokens, stop
 # token ids, token counts) sit in int32 columns and its floats in float32 ones. The bounds
 # below, and the server's request models (server/protocol.py), derive from them, so no value
@@ -77,6 +88,13 @@ class SamplingParams:
     logprobs: int | None = None       # top-N logprobs per token, N <= 20
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: (token id, bias) pairs sorted by id, from a dict {id: bias} (ids as
+    # ints, or as the decimal strings of a JSON object's keys). A bias in (-100, 100) is added
+    # to the token's logit before penalties and temperature (vLLM's order); -100 bans the
+    # token (it is never drawn) and +100 makes it exclusive (only +100 tokens can be drawn,
+    # weighted by their logits), which OpenAI describes as what those values "should result
+    # in". Ids are checked against the vocabulary when the engine takes the request.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         # Accept lists/str from JSON and normalise to tuples (the dataclass is frozen/hashable).
@@ -90,6 +108,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         self._validate()
 
     def _validate(self):
@@ -136,11 +155,49 @@ class SamplingParams:
             bad("stop_token_ids", f"token ids must be in [0, {INT_MAX}]")
         if len(self.stop_token_ids) > 12:  # with up to 4 EOS ids: the sampler's ban list (16)
             bad("stop_token_ids", f"at most 12 stop token ids, got {len(self.stop_token_ids)}")
-        if not 1 <= self.n <= 16:
-            bad("n", f"must be in [1, 16], got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            bad("n", f"must be in [1, {MAX_N}], got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _logit_bias(given) -> tuple[tuple[int, float], ...]:
+    """`SamplingParams.logit_bias` normalised: a dict or pairs -> (id, bias) pairs sorted by
+    id, each checked (the vocabulary aside: LLMEngine.check_logit_bias)."""
+    def bad(message):
+        raise SamplingParamsError("logit_bias", f"logit_bias: {message}")
+
+    if given is None:
+        return ()
+    if isinstance(given, Mapping):
+        items = list(given.items())
+    elif isinstance(given, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 for p in given):
+        items = [tuple(p) for p in given]
+    else:
+        bad(f"must map token ids to biases, got {given!r}")
+    if len(items) > MAX_LOGIT_BIAS:
+        bad(f"at most {MAX_LOGIT_BIAS} entries, got {len(items)}")
+    pairs = {}
+    for key, bias in items:
+        if isinstance(key, str) and _TOKEN_KEY.fullmatch(key):
+            key = int(key)
+        if not isinstance(key, (int, np.integer)) or isinstance(key, bool):
+            bad(f"keys must be token ids (integers), got {key!r}")
+        if not 0 <= key <= INT_MAX:
+            bad(f"token id {key} is outside [0, {INT_MAX}]")
+        if int(key) in pairs:
+            bad(f"token id {key} is given twice")
+        if (isinstance(bias, bool) or not isinstance(bias, (int, float, np.number))
+                or not math.isfinite(bias) or not -MAX_BIAS <= bias <= MAX_BIAS):
+            bad(f"the bias of token {key} must be a number in [-100, 100], got {bias!r}")
+        # As the sampler's float32 column holds it; only an exact +-100 bans or forces.
+        held = np.float32(bias)
+        if abs(held) == MAX_BIAS and abs(bias) != MAX_BIAS:
+            held = np.nextafter(held, np.float32(0))
+        pairs[int(key)] = float(held)
+    return tuple(sorted(pairs.items()))

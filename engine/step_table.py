@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from engine import device
-from engine.batch import FLOAT_COLUMNS, body_layout, body_tokens, empty_batch, sampling_layout
+from engine.batch import body_layout, body_tokens, empty_batch, float_layout, sampling_layout
 from engine.config import EngineConfig
 from engine.executable_store import ExecutableStore, fingerprint
 from engine.grammar import mask_words
@@ -95,9 +95,10 @@ class StepTable:
               token_mask):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._params_tree, params))
         num_seqs = ints.shape[1]
-        columns = {name: floats[i] for i, name in enumerate(FLOAT_COLUMNS)}
-        for name, (row, rows) in sampling_layout().items():
-            columns[name] = ints[row] if rows == 1 else ints[row:row + rows].T
+        columns = {}
+        for layout, buffer in ((sampling_layout(), ints), (float_layout(), floats)):
+            for name, (row, rows) in layout.items():
+                columns[name] = buffer[row] if rows == 1 else buffer[row:row + rows].T
         columns["seeds"] = jax.lax.bitcast_convert_type(columns["seeds"], jnp.uint32)
         md = SamplingMetadata(**columns, output_counts=output_counts, prompt_mask=prompt_mask,
                               token_mask=token_mask)

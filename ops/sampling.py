@@ -25,8 +25,10 @@ holds on CPU only (`_skip_unless`): on a GPU or TPU a conditional on device data
 host wait for its predicate, so there the work runs unconditionally (each skipped branch
 equals the full one when no row asks for its work).
 Under `vmap` a cond becomes a select and runs both branches: call these on the whole batch.
-Ids banned before `min_tokens` and a grammar's packed token mask (the `constrained` rows'
-`token_mask`, engine/grammar.py) limit the pick only, so logprobs stay the model's own.
+Ids banned before `min_tokens`, a grammar's packed token mask (the `constrained` rows'
+`token_mask`, engine/grammar.py) and OpenAI's `logit_bias` (`_bias`: added after the ban and
+the mask, before the penalties, as vLLM orders them; -100 bans, +100 is exclusive) change the
+pick only, so logprobs stay the model's own.
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ops.sampling_metadata import NUM_TOP_LOGPROBS, SampleOutput, SamplingMetadata, row_uniforms
+from ops.sampling_metadata import (
+    MAX_BIAS,
+    NUM_TOP_LOGPROBS,
+    SampleOutput,
+    SamplingMetadata,
+    row_uniforms,
+)
 
 CANDIDATES = 64        # best tokens from which top-k / top-p cutoffs are read without bisection
 BLOCK = 256            # vocabulary block of the two-level argmax and inverse-CDF draw
@@ -323,14 +331,16 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SampleOutput:
     top_ids = jnp.where(wants_top, top_ids, -1)
     top_logprobs = jnp.where(wants_top, top_logprobs, -jnp.inf)
 
-    # Banned ids (min_tokens) and a grammar's mask (its rows only) limit the pick only;
-    # logprobs stay raw. Rows whose every id is banned cannot occur: the engine bans at most
-    # MAX_BANNED of V ids. The common case, none of these nor a penalty in any row, picks
-    # from the logits in place: a cond that returned [S, V] logits would copy them (~3 ms a
-    # step at 64 rows). The other case picks once, from the logits modified: each copy of
-    # the pick is ~85 more kernels, ~6.5 MiB resident once loaded, in every head.
+    # Banned ids (min_tokens), a grammar's mask (its rows only) and logit_bias change the
+    # pick only; logprobs stay raw. A row whose every id is banned picks id 0: the engine
+    # bans at most MAX_BANNED + MAX_LOGIT_BIAS ids, so only a tiny vocabulary, or a grammar
+    # whose every allowed id logit_bias bans (the grammar then ends the reply,
+    # engine/grammar.advance), gets there. The common case, none of these nor a penalty in
+    # any row, picks from the logits in place: a cond that returned [S, V] logits would copy
+    # them (~3 ms a step at 64 rows). The other case picks once, from the logits modified:
+    # each copy of the pick is ~85 more kernels, ~6.5 MiB resident once loaded, in every head.
     modified = (jnp.any(md.banned_tokens >= 0) | jnp.any(md.constrained != 0)
-                | _penalties_active(md))
+                | jnp.any(md.logit_bias_ids >= 0) | _penalties_active(md))
     token_ids = _skip_unless(modified, lambda x, md: _pick(_modify(x, md), md), _pick,
                              logits, md)
     logprobs = (jnp.take_along_axis(logits, token_ids[:, None], axis=-1) - lse)[:, 0]
@@ -339,13 +349,35 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SampleOutput:
 
 
 def _modify(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """The logits `_pick` picks from: banned ids, grammar masks and penalties applied, each
-    skipped when no row has it."""
+    """The logits `_pick` picks from: banned ids, grammar masks, logit biases and penalties
+    applied, each skipped when no row has it."""
     x = _skip_unless(jnp.any(md.banned_tokens >= 0), _ban, lambda x, _: x, logits,
                      md.banned_tokens)
     x = _skip_unless(jnp.any(md.constrained != 0), _allow, lambda x, *_: x, x, md.token_mask,
                      md.constrained)
+    x = _skip_unless(jnp.any(md.logit_bias_ids >= 0), _bias, lambda x, *_: x, x,
+                     md.logit_bias_ids, md.logit_bias)
     return apply_penalties(x, md)
+
+
+def _bias(logits: jax.Array, ids: jax.Array, bias: jax.Array) -> jax.Array:
+    """OpenAI's logit_bias on [S, V] logits, ids and biases [S, L] (ids padded with -1): each
+    bias added to its id's logit, except the two ends, which are exact rather than large:
+    -100 sets -inf (never drawn, as a ban), and +100, which OpenAI describes as "exclusive
+    selection", leaves only the row's +100 ids that are not already banned or masked to pick
+    from (each at its logit + 100, so the model still ranks them). A plain +100 would lose to
+    a frequency penalty or a temperature spreading the draw. Rows without an id stay bit for
+    bit. A gather, one elementwise pass (it fuses) and a scatter of L entries: no [S, V]
+    table of biases."""
+    vocab_size = logits.shape[1]
+    rows = jnp.arange(logits.shape[0])[:, None]
+    valid = (ids >= 0) & (ids < vocab_size)
+    at = jnp.take_along_axis(logits, jnp.where(valid, ids, 0), axis=1)        # [S, L]
+    forced = valid & (bias >= MAX_BIAS) & (at > -jnp.inf)
+    exclusive = jnp.any(forced, axis=1, keepdims=True)                         # [S, 1]
+    new = jnp.where((bias <= -MAX_BIAS) | (exclusive & ~forced), -jnp.inf, at + bias)
+    x = jnp.where(exclusive, -jnp.inf, logits)
+    return x.at[rows, jnp.where(valid, ids, vocab_size)].set(new, mode="drop")
 
 
 def _allow(logits: jax.Array, token_mask: jax.Array, constrained: jax.Array) -> jax.Array:

@@ -15,6 +15,8 @@ from jax import lax
 
 NUM_TOP_LOGPROBS = 20  # top logprobs computed per row; the engine slices to the requested N
 MAX_BANNED = 16        # ids per row that min_tokens can keep from being picked
+MAX_LOGIT_BIAS = 300   # logit_bias entries per row (engine/sampling_params.py says why)
+MAX_BIAS = 100.0       # a bias of -MAX_BIAS bans its token, +MAX_BIAS makes it exclusive
 
 
 @jax.tree_util.register_dataclass
@@ -39,6 +41,11 @@ class SamplingMetadata:
                                    # the top-20, all -1 the log-softmax
     banned_tokens: jax.Array       # [S, B] i32: ids the row may not pick now, padded with -1
                                    # (EOS and stop tokens before min_tokens is reached)
+    logit_bias_ids: jax.Array      # [S, L] i32: the ids of the row's logit_bias, padded
+                                   # with -1
+    logit_bias: jax.Array          # [S, L] f32: their biases in [-100, 100] (0 on padding):
+                                   # added to the logits the pick reads; -100 bans, +100
+                                   # leaves only the row's +100 ids to pick from
     constrained: jax.Array         # [S] i32: 1 where the row follows a grammar (token_mask)
     token_mask: jax.Array          # [S, ceil(V / 32)] i32: packed allowed ids of the
                                    # constrained rows (bit i % 32 of word i // 32 is id i)
@@ -63,6 +70,8 @@ class SamplingMetadata:
             prompt_mask=np.zeros((s, vocab_size), bool),
             num_top_logprobs=np.full(s, -1, np.int32),
             banned_tokens=np.full((s, MAX_BANNED), -1, np.int32),
+            logit_bias_ids=np.full((s, MAX_LOGIT_BIAS), -1, np.int32),
+            logit_bias=np.zeros((s, MAX_LOGIT_BIAS), np.float32),
             constrained=np.zeros(s, np.int32),
             token_mask=np.zeros((s, -(-vocab_size // 32)), np.int32),
         )

@@ -14,6 +14,7 @@ large body does not stall the event loop and every stream on it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from importlib import metadata
 
@@ -28,17 +29,23 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.async_engine import AsyncEngine, Engines
+from engine.sessions import SessionStore
+from engine.tool_loop import ToolLoop
 from server.chat import PROMPT_POOL, create_chat_completion
 from server.chat_protocol import ChatCompletionRequest, TokenizeRequest
 from server.completions import create_completion
 from server.errors import CLIENT_ERRORS, APIError, api_error
 from server.generation import STREAM_STALL_TIMEOUT_S, check_prompt_bytes
+from server.mcp_endpoint import McpEndpoint
 from server.metrics import ServerMetrics
 from server.middleware import APIKeyAuth, HostCheck, RequestLimits
 from server.openapi import ServedModel, openapi_schema
 from server.protocol import CompletionRequest, DetokenizeRequest
 from server.reasoning import ReasoningParser
+from server.responses import create_response, delete_response, get_response
+from server.responses_protocol import ResponsesRequest
 from server.strict_json import InvalidJSON, parse_json
+from server.tool_rounds import chat_with_tools, offered
 
 MAX_BODY_BYTES = 8 << 20
 MAX_HEADERS = 100
@@ -60,8 +67,12 @@ class Server:
     """The state the handlers share: the engines, the metrics, the reasoning parser."""
 
     def __init__(self, engines: Engines, reasoning_parser: str | None = None,
-                 api_key: bool = False, allow_special_tokens_in_messages: bool = False):
+                 api_key: bool = False, allow_special_tokens_in_messages: bool = False,
+                 sessions: SessionStore | None = None, tool_loop: ToolLoop | None = None):
         self.engines = engines
+        self.tool_loop = tool_loop  # the tools the server runs itself (--mcp-config)
+        # Stored responses (the Responses API); the server's own, so a rebooted engine keeps it.
+        self.sessions = sessions if sessions is not None else SessionStore()
         # Special-token text in chat requests parsed as those tokens (the old behaviour).
         self.allow_special_tokens_in_messages = allow_special_tokens_in_messages
         self.api_key = api_key  # whether requests need one (for /openapi.json)
@@ -80,17 +91,20 @@ class Server:
             model = names[0]
         return model, self.engines[model]  # UnknownModel -> 404
 
-    async def parse(self, request: Request, model: type[BaseModel]):
-        """The body as a validated `model`: 415 unless it is JSON, 400 unless it is valid."""
+    async def parse(self, request: Request, model: type[BaseModel], tools: str | None = None):
+        """The body as a validated `model`: 415 unless it is JSON, 400 unless it is valid.
+        `tools` ("chat" or "responses"): the server's own tools added first, in that shape."""
         media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if media_type != "application/json":
             raise APIError(415, f"the body must be JSON, sent with 'Content-Type: "
                                 f"application/json' (got {media_type or 'none'!r})",
                            code="unsupported_media_type")
         body = await request.body()
+        loop = self.tool_loop if tools is not None else None
         if len(body) <= PARSE_INLINE_BYTES:
-            return _validate(body, model)
-        return await anyio.to_thread.run_sync(_validate, body, model, limiter=self.parsers)
+            return _validate(body, model, loop, tools == "chat")
+        return await anyio.to_thread.run_sync(_validate, body, model, loop, tools == "chat",
+                                              limiter=self.parsers)
 
     # ---- handlers -----------------------------------------------------------------------
 
@@ -100,11 +114,28 @@ class Server:
         return await create_completion(request, req, model, engine, self.metrics.tracker(model))
 
     async def chat_completions(self, request: Request) -> Response:
-        req = await self.parse(request, ChatCompletionRequest)
+        req = await self.parse(request, ChatCompletionRequest, tools="chat")
         model, engine = self.engine(req.model)
+        if self.tool_loop is not None:
+            return await chat_with_tools(
+                request, req, model, engine, self.metrics.tracker(model), self.tool_loop,
+                self.reasoning, self.allow_special_tokens_in_messages)
         return await create_chat_completion(
             request, req, model, engine, self.metrics.tracker(model), self.reasoning,
             allow_special_tokens_in_messages=self.allow_special_tokens_in_messages)
+
+    async def responses(self, request: Request) -> Response:
+        req = await self.parse(request, ResponsesRequest, tools="responses")
+        model, engine = self.engine(req.model)
+        return await create_response(
+            request, req, model, engine, self.metrics.tracker(model), self.sessions,
+            self.reasoning, self.allow_special_tokens_in_messages, self.tool_loop)
+
+    async def stored_response(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            return delete_response(self.sessions, response_id)
+        return get_response(self.sessions, response_id)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card(name)
@@ -167,11 +198,13 @@ class Server:
         return JSONResponse(openapi_schema(_version(), served, self.api_key))
 
 
-def _validate(body: bytes, model: type[BaseModel]):
+def _validate(body: bytes, model: type[BaseModel], loop: ToolLoop | None = None,
+              nested: bool = True):
     try:
-        return model.model_validate(parse_json(body))
+        value = parse_json(body)
     except InvalidJSON as e:
         raise APIError(400, f"the body is not valid JSON: {e}") from None
+    return model.model_validate(offered(value, loop, nested))
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -190,13 +223,22 @@ def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[s
               reasoning_parser: str | None = None, allowed_hosts: list[str] | None = None,
               body_read_timeout: float = BODY_READ_TIMEOUT,
               allow_special_tokens_in_messages: bool = False,
-              stream_stall_timeout: float = STREAM_STALL_TIMEOUT_S) -> Starlette:
-    """`allowed_hosts`: the Host names served (None or "*": any; see HostCheck)."""
+              stream_stall_timeout: float = STREAM_STALL_TIMEOUT_S,
+              sessions: SessionStore | None = None,
+              tool_loop: ToolLoop | None = None) -> Starlette:
+    """`allowed_hosts`: the Host names served (None or "*": any; see HostCheck). `sessions`:
+    where stored responses are kept (default: a SessionStore with its default limits).
+    `tool_loop`: tools the server runs itself inside a request (its runner is started and
+    stopped with the app, when it has start() and stop())."""
     server = Server(engines, reasoning_parser, api_key=bool(api_key),
-                    allow_special_tokens_in_messages=allow_special_tokens_in_messages)
+                    allow_special_tokens_in_messages=allow_special_tokens_in_messages,
+                    sessions=sessions, tool_loop=tool_loop)
+    mcp = McpEndpoint(engines)
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/responses", server.responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", server.stored_response, methods=["GET", "DELETE"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{model:path}", server.model, methods=["GET"]),
         Route("/tokenize", server.tokenize, methods=["POST"]),
@@ -204,6 +246,7 @@ def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[s
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_text, methods=["GET"]),
         Route("/openapi.json", server.openapi, methods=["GET"]),
+        mcp.route,
     ]
     # Outermost first: a foreign Host is refused before anything else (a DNS-rebinding page
     # gets nothing, not even CORS answers); CORS answers preflights itself; limits come
@@ -220,7 +263,21 @@ def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[s
         middleware.append(Middleware(APIKeyAuth, api_key=api_key))
     handlers = {HTTPException: _http_error, Exception: _api_error,
                 **dict.fromkeys(CLIENT_ERRORS, _api_error)}
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        runner = tool_loop.runner if tool_loop is not None else None
+        async with mcp.run():
+            if hasattr(runner, "start"):
+                await runner.start()  # every MCP server, or an error naming the one that failed
+            try:
+                yield
+            finally:
+                if hasattr(runner, "stop"):
+                    await runner.stop()
+
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers,
+                    lifespan=lifespan)
     app.state.server = server
     app.state.stream_stall_timeout = stream_stall_timeout  # read by server.generation's streams
     return app

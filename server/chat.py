@@ -146,6 +146,18 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest, m
                                  allow_special_tokens_in_messages: bool = False) -> Response:
     """`allow_special_tokens_in_messages`: special-token text in the request (`<|im_end|>` in a
     message) becomes those tokens, as it did before; by default only the template writes them."""
+    gen = await start_chat(req, model, engine, tracker, reasoning,
+                           allow_special_tokens_in_messages)
+    return gen.stream_response() if req.stream else await gen.response(request)
+
+
+async def start_chat(req: ChatCompletionRequest, model: str, engine: AsyncEngine,
+                     tracker: RequestTracker, reasoning: ReasoningParser | None = None,
+                     allow_special_tokens_in_messages: bool = False,
+                     generation: type[ChatGeneration] = ChatGeneration,
+                     **kwargs) -> ChatGeneration:
+    """The chat request's generation (a `generation`, built with `kwargs` too), started: its
+    chat rendered, its tool calls constrained when they must come."""
     params = req.to_sampling_params(engine.sampling_defaults)
     structured_param = req.structured_field
     prompt, parser = await asyncio.get_running_loop().run_in_executor(
@@ -159,10 +171,10 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest, m
         params = dataclasses.replace(params,
                                      structured_outputs=StructuredOutputsParams(grammar=grammar))
         structured_param = "tools"
-    gen = ChatGeneration(model, engine, params, tracker, include_usage=req.include_usage,
-                         return_token_ids=req.return_token_ids, cache_salt=req.cache_salt,
-                         structured_param=structured_param, tools=parser, reasoning=reasoning,
-                         prompt=prompt)
+    gen = generation(model, engine, params, tracker, include_usage=req.include_usage,
+                     return_token_ids=req.return_token_ids, cache_salt=req.cache_salt,
+                     structured_param=structured_param, tools=parser, reasoning=reasoning,
+                     prompt=prompt, **kwargs)
     # The template writes the special tokens (BOS included) itself.
     await gen.start([prompt], add_special_tokens=False)
-    return gen.stream_response() if req.stream else await gen.response(request)
+    return gen

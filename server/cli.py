@@ -18,6 +18,7 @@ from pathlib import Path
 
 import uvicorn
 
+from engine import sessions, tool_loop
 from engine.config import (
     CPU_KERNELS,
     KV_CACHE_DTYPES,
@@ -159,6 +160,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="chat replies: text inside <think>...</think> goes to the message's "
                         "reasoning_content, the rest to content")
+    p.add_argument("--responses-max-stored", type=int, default=sessions.DEFAULT_MAX_RESPONSES,
+                   metavar="N", help="stored responses (/v1/responses with store) kept at most; "
+                                     "the least recently used go first")
+    p.add_argument("--responses-max-bytes", type=_size, default=sessions.DEFAULT_MAX_BYTES,
+                   metavar="SIZE", help="bytes the stored responses may hold (default 64MiB)")
+    p.add_argument("--responses-ttl", type=_seconds, default=sessions.DEFAULT_TTL_S,
+                   metavar="SECONDS", help="a stored response unread this long is dropped")
+    p.add_argument("--mcp-config", metavar="FILE", default=None,
+                   help="MCP servers whose tools the server runs itself inside a request "
+                        "(the mcpServers JSON most MCP clients read: stdio or streamable HTTP)")
+    p.add_argument("--max-tool-rounds", type=int, default=tool_loop.DEFAULT_MAX_ROUNDS,
+                   metavar="N", help="rounds of server-run tool calls in one request, at most")
+    p.add_argument("--tool-timeout", type=_seconds, default=tool_loop.DEFAULT_TIMEOUT_S,
+                   metavar="SECONDS", help="a server-run tool call's time limit")
     p.add_argument("--cors-origins", "--allowed-origins", dest="cors_origins", nargs="*",
                    default=[], help="origins allowed by CORS (none by default)")
     p.add_argument("--allow-special-tokens-in-messages", action="store_true",
@@ -319,6 +334,14 @@ def main(argv: list[str] | None = None) -> int:
             return status
     try:
         key, key_source = api_key(args)
+        store = sessions.SessionStore(args.responses_max_stored, args.responses_max_bytes,
+                                      args.responses_ttl)
+        loop = None
+        if args.mcp_config is not None:
+            from server.mcp_tools import McpTools, load_mcp_config
+
+            loop = tool_loop.ToolLoop(McpTools(load_mcp_config(args.mcp_config)),
+                                      args.max_tool_rounds, args.tool_timeout)
         specs = [parse_model_arg(m) for m in (args.model or [None])]
         if args.served_model_name:
             if len(specs) != 1:
@@ -348,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                     reasoning_parser=args.reasoning_parser, allowed_hosts=allowed_hosts(args),
                     body_read_timeout=args.body_read_timeout,
                     stream_stall_timeout=args.stream_stall_timeout,
-                    allow_special_tokens_in_messages=args.allow_special_tokens_in_messages)
+                    allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
+                    sessions=store, tool_loop=loop)
     if args.allow_special_tokens_in_messages:
         logger.warning("--allow-special-tokens-in-messages: special-token text in chat "
                        "requests becomes those tokens (a client can write its own turns)")

@@ -151,8 +151,15 @@ class Generation:
     # ---- whole responses ----------------------------------------------------------------
 
     async def response(self, request: Request) -> Response:
+        if not await self.finish(request):
+            return Response(status_code=499)
+        return JSONResponse(self.body())
+
+    async def finish(self, request: Request) -> bool:
+        """Runs the request to its end; False when the client left first (everything is
+        aborted then, and no one is answered)."""
         collect = asyncio.create_task(self._collect())
-        gone = asyncio.create_task(_disconnected(request))
+        gone = asyncio.create_task(disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -161,8 +168,12 @@ class Generation:
                 collect.cancel()
                 self.close()
         if not collect.done():
-            return Response(status_code=499)
+            return False
         collect.result()  # engine errors raise here
+        return True
+
+    def body(self) -> dict:
+        """The whole response, once `finish` returned True."""
         choices = []
         for i in range(len(self.streams)):
             for c in self.last[i].outputs:
@@ -171,9 +182,8 @@ class Generation:
                     choice.update(prompt_token_ids=self.streams[i].prompt_token_ids,
                                   token_ids=c.token_ids)
                 choices.append(choice)
-        return JSONResponse({"id": self.id, "object": self.OBJECT,
-                             "created": self.created, "model": self.model,
-                             "choices": choices, "usage": self.usage()})
+        return {"id": self.id, "object": self.OBJECT, "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage()}
 
     async def _collect(self) -> None:
         async for _ in self.outputs(logprobs=True):
@@ -190,7 +200,7 @@ class Generation:
     # ---- streams ------------------------------------------------------------------------
 
     def stream_response(self) -> Response:
-        return _ClosingStream(self._events(), self.close, media_type="text/event-stream",
+        return ClosingStream(self._events(), self.close, media_type="text/event-stream",
                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _events(self) -> AsyncIterator[str]:
@@ -216,11 +226,11 @@ class Generation:
                     if c.finish_reason:
                         finished.add(index)
             if self.include_usage:
-                yield _sse({"id": self.id, "object": self.CHUNK_OBJECT,
+                yield sse({"id": self.id, "object": self.CHUNK_OBJECT,
                            "created": self.created, "model": self.model, "choices": [],
                            "usage": self.usage()})
         except Exception as e:  # mid-stream failure: an error event, then [DONE]
-            yield _sse(api_error(e).body())
+            yield sse(api_error(e).body())
         yield "data: [DONE]\n\n"
 
     def _chunk(self, index: int, content, logprobs, finish_reason,
@@ -233,14 +243,14 @@ class Generation:
                 "model": self.model, "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
-        return _sse(body)
+        return sse(body)
 
 
 class _Stalled(Exception):
     pass
 
 
-class _ClosingStream(StreamingResponse):
+class ClosingStream(StreamingResponse):
     """A streamed response that closes its engine requests however it ends (even when
     the client leaves before the first byte, when the body iterator never starts), and
     that ends when a write has waited longer than the stall timeout: a client that stopped
@@ -277,7 +287,7 @@ class _ClosingStream(StreamingResponse):
                 pass
 
 
-def _sse(obj) -> str:
+def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
@@ -285,7 +295,7 @@ def finite(logprob: float) -> float:
     return max(float(logprob), -9999.0)  # JSON has no -inf
 
 
-async def _disconnected(request: Request) -> None:
+async def disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 

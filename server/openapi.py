@@ -10,6 +10,7 @@ from pydantic import BaseModel
 
 from server.chat_protocol import ChatCompletionRequest, TokenizeRequest
 from server.protocol import CompletionRequest, DetokenizeRequest
+from server.responses_protocol import ResponsesRequest
 
 _ERROR = {
     "type": "object",
@@ -18,13 +19,19 @@ _ERROR = {
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
 
-# path -> (method, summary, request model or None, response description)
+# path -> (method, summary, request model or None, response description), or a list of them
 _ROUTES = {
     "/v1/completions": ("post", "Text completions (stream: text/event-stream).", CompletionRequest,
                         "A text_completion object, or SSE chunks ending in [DONE]."),
     "/v1/chat/completions": ("post", "Chat completions (stream: text/event-stream).",
                              ChatCompletionRequest,
                              "A chat.completion object, or SSE chunks ending in [DONE]."),
+    "/v1/responses": ("post", "Responses (stream: text/event-stream of response events).",
+                      ResponsesRequest, "A response object, or SSE events ending in "
+                                        "response.completed (or .incomplete, .failed)."),
+    "/v1/responses/{response_id}": [
+        ("get", "A stored response.", None, "The response object."),
+        ("delete", "Delete a stored response.", None, "{id, object, deleted}")],
     "/v1/models": ("get", "The served models.", None, "A list of model objects."),
     "/tokenize": ("post", "Token ids of a prompt or a chat.", TokenizeRequest,
                   "{count, max_model_len, tokens}"),
@@ -50,7 +57,7 @@ def openapi_schema(version: str, served: dict[str, ServedModel], api_key: bool) 
     schemas: dict = {"ErrorResponse": _ERROR}
     paths: dict = {}
     errors = {code: text for code, text in _ERRORS.items() if api_key or code != "401"}
-    for path, (method, summary, model, response) in _ROUTES.items():
+    for path, method, summary, model, response in _operations():
         op: dict = {"summary": summary, "responses": {
             "200": {"description": response},
             **{code: {"description": text, "content": {"application/json": {
@@ -60,9 +67,12 @@ def openapi_schema(version: str, served: dict[str, ServedModel], api_key: bool) 
             schemas.update(_schemas(model))
             op["requestBody"] = {"required": True, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        if "{response_id}" in path:
+            op["parameters"] = [{"name": "response_id", "in": "path", "required": True,
+                                 "schema": {"type": "string"}}]
         if api_key and path == "/health":
             op["security"] = []
-        paths[path] = {method: op}
+        paths.setdefault(path, {})[method] = op
     _fill_served(schemas, served)
     components: dict = {"schemas": schemas}
     if api_key:
@@ -72,6 +82,12 @@ def openapi_schema(version: str, served: dict[str, ServedModel], api_key: bool) 
                      "description": "An OpenAI-compatible API served by xlaserve."},
             "components": components, "paths": paths,
             **({"security": [{"bearer": []}]} if api_key else {})}
+
+
+def _operations():
+    for path, ops in _ROUTES.items():
+        for op in ops if isinstance(ops, list) else [ops]:
+            yield path, *op
 
 
 def _schemas(model: type[BaseModel]) -> dict:
@@ -106,3 +122,25 @@ def _fill_served(node: Any, served: dict[str, ServedModel]) -> None:
         node["maxItems" if node.get("type") == "array" else "maximum"] = most
     elif what == "token_id" and None not in vocab:
         node["maximum"] = max(vocab) - 1
+    elif what == "token_key" and None not in vocab:  # a token id as an object key
+        node["pattern"] = integer_pattern(max(vocab) - 1)
+
+
+def integer_pattern(most: int) -> str:
+    """A regular expression of the decimal integers 0 .. `most` (no sign, no leading zero):
+    a key pattern as strict as a vocabulary check."""
+    digits = str(most)
+    # fewer digits than `most`, none leading with 0 (0 itself apart)
+    shorter = ([r"[1-9]" + (rf"[0-9]{{0,{len(digits) - 2}}}" if len(digits) > 2 else "")]
+               if len(digits) > 1 else [])
+    # as many digits as `most`: its first i digits, a smaller one, then any
+    same = [digits]
+    for i, d in enumerate(digits):
+        low = 1 if i == 0 else 0
+        if int(d) > low:
+            top = int(d) - 1
+            rest = len(digits) - i - 1
+            same.append(digits[:i] + (f"[{low}-{top}]" if top > low else str(low))
+                        + (f"[0-9]{{{rest}}}" if rest else ""))
+    alternatives = ["0"] * (most > 0) + shorter + same
+    return "^(" + "|".join(dict.fromkeys(alternatives)) + ")$"

@@ -10,7 +10,7 @@ length and enum a field is validated against is in its schema, and so are the ru
 fields together (JSON Schema `if`/`then` beside the validator that enforces them). A request
 that follows the schema is refused only for what JSON Schema cannot say: its prompt's length
 in tokens, a grammar that does not compile, fields compared with each other (min_tokens and
-max_tokens, unique tool names, the tool a tool_choice names).
+max_tokens, n times the number of prompts, unique tool names, the tool a tool_choice names).
 """
 
 from __future__ import annotations
@@ -21,13 +21,19 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 
 from engine.sampling_params import (
     INT_MAX,
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_N,
     SamplingParams,
     SamplingParamsError,
     StructuredOutputsParams,
 )
 
 MAX_PROMPTS = 256    # prompts in one completions request (each runs n sequences)
+# Sequences in one completions request (n x prompts): each holds its own copy of its prompt, so
+# this keeps what one request body can make the engine hold where it was when n stopped at 16.
+MAX_CHOICES = 16 * MAX_PROMPTS
 # The fields a served model's sampling defaults may set (models/generation_config.FIELDS,
 # which server/ may not import: keep the two equal).
 MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -88,6 +94,19 @@ class StructuredOutputsRequest(BaseModel):
 
 # A rule every generation request follows (checked in SamplingRequest.sampling_params).
 SAMPLING_RULES = (when(given("stream_options"), given("stream", {"const": True})),)
+# OpenAI's logit_bias: token ids as the keys of a JSON object (decimal, no sign or leading
+# zero; server/openapi.py narrows the pattern to the served vocabulary). SamplingParams
+# checks what this says, and the engine the vocabulary.
+_LOGIT_BIAS = {
+    "anyOf": [{"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+               "propertyNames": {"pattern": "^(0|[1-9][0-9]*)$", **served("token_key")},
+               "additionalProperties": {"type": "number", "minimum": -MAX_BIAS,
+                                        "maximum": MAX_BIAS}},
+              {"type": "null"}],
+    "description": f"Token id -> bias in [-100, 100] (at most {MAX_LOGIT_BIAS} ids), added to "
+                   "the token's logit before penalties and temperature; -100 bans the token, "
+                   "100 makes it the only choice (with other 100s)."}
+LogitBias = Annotated[dict[str, float] | None, WithJsonSchema(_LOGIT_BIAS)]
 # best_of must equal n, which JSON Schema can only say with a branch per value of n; schema
 # generators (schemathesis) then take several times longer per request, so the schema asks
 # for null and the description says the rest.
@@ -99,7 +118,7 @@ class SamplingRequest(BaseModel):
 
     model: str | None = Field(None, description="Served model name; optional with one model.",
                               json_schema_extra=served("model"))
-    n: int = Field(1, ge=1, le=16, description="Choices per prompt.")
+    n: int = Field(1, ge=1, le=MAX_N, description="Choices per prompt.")
     best_of: Annotated[int | None, WithJsonSchema(_BEST_OF)] = None
     temperature: float = Field(1.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -109,8 +128,7 @@ class SamplingRequest(BaseModel):
     stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported (400 if set).",
-                                                json_schema_extra={"maxProperties": 0})
+    logit_bias: LogitBias = None
     user: str | None = None
     # Engine extensions, as in vLLM.
     top_k: int = Field(0, ge=-1, le=INT_MAX, description="0 or -1: off.")
@@ -145,8 +163,6 @@ class SamplingRequest(BaseModel):
         fields this request leaves unset; a value the request sends wins, as in vLLM."""
         if self.best_of is not None and self.best_of != self.n:
             raise SamplingParamsError("best_of", "best_of different from n is not supported")
-        if self.logit_bias:
-            raise SamplingParamsError("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options",
                                       "stream_options is only allowed when stream is true")
@@ -161,7 +177,7 @@ class SamplingRequest(BaseModel):
                                                    else self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             n=self.n, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self.structured())
+            structured_outputs=self.structured(), logit_bias=self.logit_bias)
 
     @property
     def include_usage(self) -> bool:
@@ -208,6 +224,9 @@ class CompletionRequest(SamplingRequest):
     def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         if self.suffix:
             raise SamplingParamsError("suffix", "suffix is not supported")
+        if self.n * len(self.prompts()) > MAX_CHOICES:
+            raise SamplingParamsError("n", f"n ({self.n}) times the prompts "
+                                      f"({len(self.prompts())}) must be at most {MAX_CHOICES}")
         return self.sampling_params(self.max_tokens, self.logprobs, defaults)
 
 

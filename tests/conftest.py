@@ -27,7 +27,8 @@ LONG_MODULES = ("test_tensor_parallel.py", "test_engine.py", "test_kv_cache_dtyp
                 "test_kernels_off.py", "test_multihost.py", "test_server_gemma3.py",
                 "test_pallas_tpu_attention.py", "test_pallas_gpu_attention.py",
                 "test_cpu_attention.py", "test_fuzz_api.py", "test_security_streams.py",
-                "test_server_structured.py", "test_attention_backends.py")
+                "test_server_structured.py", "test_attention_backends.py",
+                "test_tool_loop.py", "test_logit_bias.py", "test_server_responses.py")
 
 
 def pytest_xdist_auto_num_workers(config):

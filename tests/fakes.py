@@ -116,7 +116,7 @@ def serving(engines: Engines, **app_options):
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(engines, **app_options), host="127.0.0.1",
-                                           port=port, log_level="warning", lifespan="off"))
+                                           port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

@@ -24,7 +24,7 @@ from schemathesis import GenerationMode
 
 from engine.async_engine import Engines
 
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 MAX_MODEL_LEN = 512
 # The positive requests' max_tokens: the schema allows what fits beside a one-token prompt, but
 # a chat's template and tool prompt take up to a few hundred tokens, which no schema can say.
@@ -74,10 +74,13 @@ def send(operation, mode: GenerationMode, n: int, url: str, session, answers: Co
 
 
 def with_room(document: dict) -> dict:
-    """A copy of the API description whose max_tokens leave a chat's prompt its room."""
+    """A copy of the API description whose max_tokens leave a chat's prompt its room, and whose
+    responses continue no earlier one (a stored response's id, which no schema can say)."""
     document = copy.deepcopy(document)
+    document["components"]["schemas"]["ResponsesRequest"]["properties"][
+        "previous_response_id"] = {"type": "null"}
     for model in document["components"]["schemas"].values():
-        for field in ("max_tokens", "max_completion_tokens"):
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             for branch in model.get("properties", {}).get(field, {}).get("anyOf", []):
                 if "maximum" in branch:
                     branch["maximum"] = MAX_TOKENS

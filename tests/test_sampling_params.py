@@ -10,6 +10,10 @@ def test_defaults_and_normalisation():
     assert p.stop == ("###",) and p.stop_token_ids == (5, 6) and p.top_k == 0
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
     hash(p)  # frozen and hashable
+    # logit_bias as OpenAI sends it (string keys) or as vLLM takes it (int keys): sorted pairs
+    q = SamplingParams(logit_bias={"7": 1, 3: -100.0, "12": 100})
+    assert q.logit_bias == ((3, -100.0), (7, 1.0), (12, 100.0)) and SamplingParams(n=128).n == 128
+    hash(q)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -17,7 +21,10 @@ def test_defaults_and_normalisation():
     ("top_k", -2), ("min_p", -0.1), ("min_p", 1.1), ("presence_penalty", 2.5),
     ("frequency_penalty", -3), ("repetition_penalty", 0.0), ("seed", -1),
     ("max_tokens", 0), ("min_tokens", -1), ("stop", [""]), ("stop", ["x"] * 17),
-    ("stop_token_ids", [-1]), ("n", 0), ("n", 17), ("logprobs", 21), ("logprobs", -1),
+    ("stop_token_ids", [-1]), ("n", 0), ("n", 129), ("logprobs", 21), ("logprobs", -1),
+    ("logit_bias", {5: 101}), ("logit_bias", {"a": 1}), ("logit_bias", {-1: 1}),
+    ("logit_bias", {5: float("nan")}), ("logit_bias", {i: 1 for i in range(301)}),
+    ("logit_bias", [(5, 1), (5, 2)]),
 ])
 def test_out_of_range_is_rejected_with_the_field_named(field, value):
     with pytest.raises(SamplingParamsError) as e:

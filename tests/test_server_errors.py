@@ -73,7 +73,8 @@ BAD_REQUESTS = [  # (body, param, words the message must carry)
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({"prompt": "hi", "top_p": 0}, "top_p", "top_p"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs", "less than or equal to 20"),
-    ({"prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ({"prompt": "hi", "logit_bias": {"five": 1.0}}, "logit_bias", "logit_bias"),
+    ({"prompt": "hi", "n": 129}, "n", "n: Input should be less than or equal to 128"),
     ({"prompt": "hi", "best_of": 3}, "best_of", "best_of"),
     ({"prompt": "hi", "stop": ["a"] * 17}, "stop", "at most 16 items"),
     ({"prompt": "hi", "n": "many"}, "n", "integer"),
@@ -305,7 +306,7 @@ def test_openapi_says_what_this_server_takes(served, tokenizer):
     client, _, _ = served
     doc = client.get("/openapi.json").json()
     completion = doc["components"]["schemas"]["CompletionRequest"]["properties"]
-    assert (completion["n"]["minimum"], completion["n"]["maximum"]) == (1, 16)
+    assert (completion["n"]["minimum"], completion["n"]["maximum"]) == (1, 128)
     assert completion["model"]["anyOf"] == [{"enum": ["fake"]}, {"type": "null"}]
     assert {"type": "integer", "minimum": 1, "maximum": 127} in completion["max_tokens"]["anyOf"]
     token_ids = completion["prompt"]["anyOf"][2]
