@@ -128,7 +128,8 @@ class AsyncEngine:
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None, add_special_tokens: bool = True,
-                          cache_salt: str | None = None) -> RequestStream:
+                          cache_salt: str | None = None,
+                          session: str | None = None) -> RequestStream:
         """Validate and queue a request; its outputs come from the returned stream. Rejections
         (too long, empty, overloaded, engine down) raise here, before anything is queued."""
         self._check_accepting()
@@ -146,7 +147,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         with self._queued_lock:
             self._queued += 1
-        self._inbox.put(("add", request_id, ids, params, cache_salt))
+        self._inbox.put(("add", request_id, ids, params, cache_salt, session))
         return stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -224,6 +225,10 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
         self._inbox.put(("abort", request_id))
 
+    def release_session(self, session: str) -> None:
+        """A stored conversation is gone: the blocks it kept become ordinary cached ones."""
+        self._inbox.put(("release", session))
+
     def shutdown(self) -> None:
         self._stopping = True
         self._inbox.put(("wake",))
@@ -269,13 +274,15 @@ class AsyncEngine:
     def _handle(self, cmd) -> None:
         self._taken(cmd)
         if cmd[0] == "add":
-            _, request_id, ids, params, cache_salt = cmd
+            _, request_id, ids, params, cache_salt, session = cmd
             if request_id not in self._streams:  # abandoned before it was queued
                 return
             try:
-                self.engine.add_request(ids, params, request_id, cache_salt)
+                self.engine.add_request(ids, params, request_id, cache_salt, session)
             except ValueError as e:  # rejected: the caller sees the reason
                 self._send(request_id, e)
+        elif cmd[0] == "release":
+            self.engine.release_session(cmd[1])
         elif cmd[0] == "abort":
             out = self.engine.abort(cmd[1])
             if out is not None:

@@ -9,7 +9,9 @@ shares a page.
 
 A freed block keeps its cached content until it is handed out for something else. Free blocks are
 handed out uncached ones first, then cached ones least recently freed first, so recently used
-prefixes survive longest.
+prefixes survive longest; blocks a live session keeps (`keep`: the content of a stored
+conversation, by hash) are handed out only when no other free block is left, so a session's
+next turn finds its prefix unless the pool had nothing else to give.
 """
 
 from __future__ import annotations
@@ -51,9 +53,13 @@ class BlockManager:
         self._hashes: list[bytes | None] = [None] * num_blocks
         self._token_ids: list[tuple[int, ...] | None] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
-        # Blocks with ref count 0, the next one to hand out first.
+        # Blocks with ref count 0, the next one to hand out first; those whose content a
+        # session keeps wait apart, handed out only when the other free blocks are gone.
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(
             range(1, num_blocks))
+        self._kept: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._sessions: dict[str, set[bytes]] = {}  # session -> the block hashes it keeps
+        self._keepers: collections.Counter[bytes] = collections.Counter()  # hash -> sessions
         # The highest block handed out so far. Never-used blocks go out in ascending order, so
         # blocks 1..this one are every block ever written: on the CPU the pool's memory becomes
         # resident as they are (ops.kv_cache.untouched).
@@ -68,7 +74,12 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks no sequence holds, including cached ones (reusable)."""
-        return len(self._free)
+        return len(self._free) + len(self._kept)
+
+    @property
+    def num_kept_blocks(self) -> int:
+        """Free blocks whose content a live session keeps."""
+        return len(self._kept)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -77,12 +88,12 @@ class BlockManager:
     @property
     def usage(self) -> float:
         """Fraction of usable blocks held by sequences."""
-        return 1.0 - len(self._free) / self.num_usable_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     # -- admission ----------------------------------------------------------------------------
 
     def can_allocate(self, seq: Sequence) -> bool:
-        return self._num_free_blocks_needed(seq, self._cache_hits(seq)) <= len(self._free)
+        return self._num_free_blocks_needed(seq, self._cache_hits(seq)) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` blocks for all its tokens, reusing cached blocks for its leading full ones."""
@@ -92,12 +103,12 @@ class BlockManager:
             raise ValueError(f"sequence block_size {seq.block_size} != {self.block_size}")
         hits = self._cache_hits(seq)
         needed = self._num_free_blocks_needed(seq, hits)
-        if needed > len(self._free):
+        if needed > self.num_free_blocks:
             raise RuntimeError(f"cannot allocate sequence {seq.seq_id}: needs {needed} free KV "
-                               f"blocks, {len(self._free)} free")
+                               f"blocks, {self.num_free_blocks} free")
         for block in hits:
             if self._ref_counts[block] == 0:
-                del self._free[block]
+                self._claim(block)
             self._ref_counts[block] += 1
         new = [self._take_free_block() for _ in range(seq.num_blocks - len(hits))]
         seq.block_table = hits + new
@@ -133,7 +144,7 @@ class BlockManager:
         return seq.num_blocks - len(hits) + sum(self._ref_counts[b] == 0 for b in hits)
 
     def _take_free_block(self) -> int:
-        block, _ = self._free.popitem(last=False)
+        block, _ = (self._free or self._kept).popitem(last=False)
         self._uncache(block)
         self._ref_counts[block] = 1
         self.num_touched_blocks = max(self.num_touched_blocks, block)
@@ -174,8 +185,9 @@ class BlockManager:
             self._hashes[block], self._token_ids[block] = h, token_ids
             old = self._hash_to_block.get(h)
             if old is not None and self._ref_counts[old] == 0:
+                self._claim(old)
                 self._uncache(old)  # a copy nobody holds: hand it out first
-                self._free.move_to_end(old, last=False)
+                self._release(old, first=True)
             self._hash_to_block[h] = block  # the newest copy wins
 
     def num_cached_blocks_of(self, seq: Sequence) -> int:
@@ -189,16 +201,16 @@ class BlockManager:
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the blocks that seq's tokens still lack (0 or 1 in decode) are available."""
-        return seq.num_blocks - len(seq.block_table) <= len(self._free)
+        return seq.num_blocks - len(seq.block_table) <= self.num_free_blocks
 
     def may_append(self, seq: Sequence) -> None:
         """Extend seq's block table to hold all its tokens (after `append_token`)."""
         if not seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} holds no KV blocks: allocate it first")
         missing = seq.num_blocks - len(seq.block_table)
-        if missing > len(self._free):
+        if missing > self.num_free_blocks:
             raise RuntimeError(f"cannot extend sequence {seq.seq_id}: needs {missing} free KV "
-                               f"blocks, {len(self._free)} free")
+                               f"blocks, {self.num_free_blocks} free")
         seq.block_table.extend(self._take_free_block() for _ in range(missing))
 
     def trim(self, seq: Sequence) -> None:
@@ -211,33 +223,88 @@ class BlockManager:
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
                 self._uncache(block)
-                self._free[block] = None
-                self._free.move_to_end(block, last=False)
+                self._release(block, first=True)
 
     # -- release ------------------------------------------------------------------------------
 
-    def deallocate(self, seq: Sequence) -> None:
-        """Drop seq's blocks (finish or preemption by recompute). Harmless if it holds none."""
+    def deallocate(self, seq: Sequence, keep_for: str | None = None) -> None:
+        """Drop seq's blocks (finish or preemption by recompute). Harmless if it holds none.
+        `keep_for`: a session that keeps the content of seq's cached blocks (`keep`)."""
+        if keep_for is not None:
+            self.keep(keep_for, [self._hashes[b] for b in seq.block_table
+                                 if self._hashes[b] is not None])
         for block in reversed(seq.block_table):  # the tail of a chain is evicted before its head
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free[block] = None
                 h = self._hashes[block]
                 if h is None or self._hash_to_block.get(h) != block:
                     self._uncache(block)  # nothing findable in it: hand it out first
-                    self._free.move_to_end(block, last=False)
+                    self._release(block, first=True)
+                else:
+                    self._release(block)
         seq.block_table = []
         seq.num_computed_tokens = seq.num_cached_tokens = 0
+
+    def _release(self, block: int, first: bool = False) -> None:
+        """A block nobody holds now joins the free blocks: last out (or first, `first`), apart
+        when a session keeps its content."""
+        h = self._hashes[block]
+        free = self._kept if h is not None and self._keepers[h] else self._free
+        free[block] = None
+        if first:
+            free.move_to_end(block, last=False)
+
+    def _claim(self, block: int) -> None:
+        """A free block taken off the free blocks (a prefix-cache hit, or moved)."""
+        if block in self._free:
+            del self._free[block]
+        else:
+            del self._kept[block]
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def keep(self, session: str, hashes: Iterable[bytes]) -> None:
+        """`session` keeps the blocks of this content (prefix-cache hashes) cached: while it
+        lives they are handed out only when no other free block is left."""
+        kept = self._sessions.setdefault(session, set())
+        for h in set(hashes) - kept:
+            kept.add(h)
+            self._keepers[h] += 1
+            block = self._hash_to_block.get(h)
+            if block is not None and block in self._free:
+                del self._free[block]
+                self._kept[block] = None
+
+    def release(self, session: str) -> None:
+        """The session is gone: its blocks become ordinary cached blocks (most recently freed)."""
+        for h in self._sessions.pop(session, ()):
+            self._keepers[h] -= 1
+            if self._keepers[h]:
+                continue
+            del self._keepers[h]
+            block = self._hash_to_block.get(h)
+            if block is not None and block in self._kept:
+                del self._kept[block]
+                self._free[block] = None
 
     # -- tests --------------------------------------------------------------------------------
 
     def check_invariants(self, seqs: Iterable[Sequence] | None = None) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (with `seqs`: all live ones)."""
         problems = []
-        if self._ref_counts[0] or 0 in self._free or self._hashes[0] is not None:
+        if self._ref_counts[0] or 0 in self._free or 0 in self._kept or \
+                self._hashes[0] is not None:
             problems.append("block 0 is in use")
         for block in range(1, self.num_blocks):
-            ref, free = self._ref_counts[block], block in self._free
+            ref, free = self._ref_counts[block], block in self._free or block in self._kept
+            if block in self._free and block in self._kept:
+                problems.append(f"block {block} is free twice")
+            h = self._hashes[block]
+            if block in self._kept and not (h is not None and self._keepers[h]):
+                problems.append(f"block {block} is kept apart for no session")
+            if block in self._free and h is not None and self._keepers[h] and \
+                    self._hash_to_block.get(h) == block:
+                problems.append(f"block {block} is kept by a session but not apart")
             if ref < 0 or (ref == 0) != free:
                 problems.append(f"block {block}: ref count {ref}, {free=}")
             h = self._hashes[block]
@@ -245,7 +312,7 @@ class BlockManager:
                 problems.append(f"block {block}: hash and token ids disagree")
             elif free and h is not None and self._hash_to_block.get(h) != block:
                 problems.append(f"free block {block} keeps stale cached content")
-        if any(not 1 <= b < self.num_blocks for b in self._free):
+        if any(not 1 <= b < self.num_blocks for b in [*self._free, *self._kept]):
             problems.append("free list holds an invalid block id")
         for h, block in self._hash_to_block.items():
             token_ids = self._token_ids[block]

@@ -133,9 +133,11 @@ class LLMEngine:
                                           f"outside the vocabulary [0, {self.vocab_size})")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    session: str | None = None) -> str:
         """Queue a request; `cache_salt` keeps its prefix-cache blocks apart from requests
-        with another salt (or none)."""
+        with another salt (or none); once it finishes, `session` keeps its blocks cached
+        (BlockManager.keep) until `release_session`."""
         params = params or SamplingParams()
         self.check_logit_bias(params)
         ids = self.encode(prompt)
@@ -149,7 +151,7 @@ class LLMEngine:
                     for _ in range(params.n)] if params.structured_outputs else []
         req = Request(request_id, ids, params, [], [])
         for i in range(params.n):
-            seq = Sequence(ids, params, self.config.block_size, request_id, cache_salt)
+            seq = Sequence(ids, params, self.config.block_size, request_id, cache_salt, session)
             if matchers:
                 self._matchers[seq.seq_id] = matchers[i]
             self._seeds[seq.seq_id] = (base + i * _GOLDEN) % (1 << 63)
@@ -161,6 +163,10 @@ class LLMEngine:
             self.scheduler.add(seq)
         self.requests[request_id] = req
         return request_id
+
+    def release_session(self, session: str) -> None:
+        """The stored conversation is gone: its blocks become ordinary cached blocks."""
+        self.block_manager.release(session)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)

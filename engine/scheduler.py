@@ -390,4 +390,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.deallocate(seq)
+        # A finished turn of a stored conversation: its session keeps the blocks cached.
+        self.blocks.deallocate(seq, keep_for=seq.session if reason != "abort" else None)

@@ -25,7 +25,8 @@ class Sequence:
     _ids = itertools.count()
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
-                 request_id: str | None = None, cache_salt: str | None = None):
+                 request_id: str | None = None, cache_salt: str | None = None,
+                 session: str | None = None):
         if not prompt_token_ids:
             raise ValueError("a sequence needs at least one prompt token")
         self.seq_id = next(Sequence._ids)
@@ -46,6 +47,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_pending = 0  # trailing PENDING tokens: sampled on the device, not yet read
         self.cache_salt = cache_salt  # prefix-cache namespace: only equal salts share blocks
+        self.session = session  # a stored conversation that keeps its blocks once it finishes
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -8,6 +8,10 @@ the new tokens are computed. Records are kept as serialized JSON, so the bytes t
 holds are counted exactly; it is bounded by count, by bytes and by idle time, and gives up
 its least recently used records first.
 
+While a response is stored, the engine keeps its conversation's KV blocks apart from other
+cached blocks (`BlockManager.keep`, under the response's id); `on_drop` tells the engines
+when it leaves, and they release them.
+
 Pure Python; the server owns one per process, so an engine reboot keeps it.
 """
 
@@ -36,11 +40,15 @@ class SessionStore:
 
     def __init__(self, max_responses: int = DEFAULT_MAX_RESPONSES,
                  max_bytes: int = DEFAULT_MAX_BYTES, ttl_s: float | None = DEFAULT_TTL_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 on_drop: Callable[[str], None] | None = None):
         if max_responses < 0 or max_bytes < 0 or (ttl_s is not None and ttl_s <= 0):
             raise ValueError("the session store's limits must be >= 0 (a TTL > 0)")
         self.max_responses, self.max_bytes, self.ttl_s = max_responses, max_bytes, ttl_s
         self._clock = clock
+        # Called with a response's id when it leaves (evicted, expired, deleted, or refused):
+        # the engines release the KV blocks its session kept.
+        self.on_drop = on_drop
         self._records: OrderedDict[str, tuple[bytes, float]] = OrderedDict()  # id -> (record,
         self.nbytes = 0                                                      # last use)
         self.evicted = 0  # records dropped for the limits (not deleted by a client)
@@ -55,6 +63,7 @@ class SessionStore:
                                                                              "surrogatepass")
         self.delete(response_id)
         if len(record) > self.max_bytes or self.max_responses == 0:
+            self._dropped(response_id)
             return False
         self._records[response_id] = (record, self._clock())
         self.nbytes += len(record)
@@ -84,6 +93,11 @@ class SessionStore:
     def _drop(self, response_id: str) -> None:
         record, _ = self._records.pop(response_id)
         self.nbytes -= len(record)
+        self._dropped(response_id)
+
+    def _dropped(self, response_id: str) -> None:
+        if self.on_drop is not None:
+            self.on_drop(response_id)
 
     def _expire(self) -> None:
         if self.ttl_s is None:

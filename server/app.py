@@ -73,6 +73,7 @@ class Server:
         self.tool_loop = tool_loop  # the tools the server runs itself (--mcp-config)
         # Stored responses (the Responses API); the server's own, so a rebooted engine keeps it.
         self.sessions = sessions if sessions is not None else SessionStore()
+        self.sessions.on_drop = self._release_session
         # Special-token text in chat requests parsed as those tokens (the old behaviour).
         self.allow_special_tokens_in_messages = allow_special_tokens_in_messages
         self.api_key = api_key  # whether requests need one (for /openapi.json)
@@ -81,6 +82,10 @@ class Server:
         self.created = int(time.time())
         # Big bodies wait here (cancellably) for one of a few parsing threads.
         self.parsers = anyio.CapacityLimiter(PARSE_THREADS)
+
+    def _release_session(self, response_id: str) -> None:
+        for name in self.engines.names():  # (an engine that kept nothing for it ignores it)
+            self.engines[name].release_session(response_id)
 
     def engine(self, model: str | None) -> tuple[str, AsyncEngine]:
         names = self.engines.names()

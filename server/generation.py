@@ -51,8 +51,9 @@ class Generation:
     def __init__(self, model: str, engine: AsyncEngine, params: SamplingParams,
                  tracker: RequestTracker, include_usage: bool = False,
                  return_token_ids: bool = False, cache_salt: str | None = None,
-                 structured_param: str = "structured_outputs"):
+                 structured_param: str = "structured_outputs", session: str | None = None):
         self.structured_param = structured_param  # the request field a grammar error names
+        self.session = session  # a stored conversation that keeps the blocks once it finishes
         self.model = model
         self.engine = engine
         self.params = params
@@ -100,7 +101,8 @@ class Generation:
                     self._check_prompt(prompt)
                 try:
                     stream = await self.engine.add_request(prompt, self.params, f"{self.id}-{i}",
-                                                           add_special_tokens, self.cache_salt)
+                                                           add_special_tokens, self.cache_salt,
+                                                           self.session)
                 except GrammarError as e:
                     raise APIError(400, str(e), param=self.structured_param) from None
                 self.streams.append(stream)

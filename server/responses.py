@@ -107,7 +107,9 @@ class ResponseRun:
         self.capped = False  # the round cap ended it
 
     async def start_round(self) -> ChatGeneration:
-        self.current = await start_chat(self.chat, *self.args)
+        # A stored response's turn keeps its blocks cached while the store keeps it.
+        self.current = await start_chat(self.chat, *self.args,
+                                        session=self.id if self.req.store else None)
         return self.current
 
     def close(self) -> None:

@@ -262,10 +262,68 @@ def test_mark_computed_rejects_tokens_without_blocks():
         bm.mark_computed(seq, 9)
 
 
+def _fill(bm: BlockManager, start: int) -> list[Sequence]:
+    """Sequences of fresh content that together take every free block."""
+    seqs = []
+    while bm.num_free_blocks:
+        seqs.append(admit(bm, range(start, start + BS)))
+        start += BS
+    return seqs
+
+
+def test_a_session_keeps_its_blocks_past_other_traffic():
+    for keep in (False, True):
+        bm = BlockManager(num_blocks=12, block_size=BS)
+        turn = admit(bm, range(100, 100 + 3 * BS))          # 3 full blocks
+        bm.deallocate(turn, keep_for="resp_1" if keep else None)
+        assert bm.num_kept_blocks == (3 if keep else 0)
+        others = admit(bm, range(200, 200 + 8 * BS))        # the 8 other free blocks ...
+        bm.deallocate(others)
+        more = admit(bm, range(300, 300 + 8 * BS))          # ... then cached ones, again
+        bm.deallocate(more)
+        bm.check_invariants([])
+        nxt = admit(bm, [*range(100, 100 + 3 * BS), 7], compute=False)
+        assert nxt.num_cached_tokens == (3 * BS if keep else 0)
+
+
+def test_kept_blocks_go_when_nothing_else_is_left_and_come_back_when_released():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    turn = admit(bm, range(2 * BS))
+    bm.deallocate(turn, keep_for="s")
+    held = _fill(bm, 500)                                   # 3 free blocks, then the 2 kept
+    assert len(held) == 5 and bm.num_free_blocks == bm.num_kept_blocks == 0
+    bm.check_invariants(held)
+    for seq in held:
+        bm.deallocate(seq)
+    bm.release("s")                                         # nothing of it is left: harmless
+    bm.check_invariants([])
+    again = admit(bm, range(8 * BS, 10 * BS))
+    bm.deallocate(again, keep_for="t")
+    assert bm.num_kept_blocks == 2
+    bm.release("t")
+    assert bm.num_kept_blocks == 0 and bm.num_free_blocks == bm.num_usable_blocks
+    bm.check_invariants([])
+
+
+def test_two_sessions_keep_a_shared_prefix_until_both_are_released():
+    bm = BlockManager(num_blocks=12, block_size=BS)
+    a = admit(bm, [*range(2 * BS), 1])
+    b = admit(bm, [*range(2 * BS), 2])
+    bm.deallocate(a, keep_for="a")
+    bm.deallocate(b, keep_for="b")
+    assert bm.num_kept_blocks == 2                          # the shared blocks, once
+    bm.release("a")
+    assert bm.num_kept_blocks == 2
+    bm.release("b")
+    assert bm.num_kept_blocks == 0
+    bm.check_invariants([])
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random admissions, chunked prefill, decode, preemption and finishes over overlapping
-    prompts. A fake KV cache records, per physical slot, which (salt, prefix) its K/V belongs to;
-    every computed token of every live sequence must read its own."""
+    """Random admissions, chunked prefill, decode, preemption, finishes (some kept by a
+    session) and sessions released over overlapping prompts. A fake KV cache records, per
+    physical slot, which (salt, prefix) its K/V belongs to; every computed token of every
+    live sequence must read its own."""
 
     def __init__(self):
         super().__init__()
@@ -322,12 +380,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.finish_or_preempt(seq)
 
     @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def finish(self, data):
-        self.finish_or_preempt(data.draw(st.sampled_from(self.seqs)))
+    @rule(data=st.data(), session=st.sampled_from([None, None, "a", "b"]))
+    def finish(self, data, session):
+        self.finish_or_preempt(data.draw(st.sampled_from(self.seqs)), session)
 
-    def finish_or_preempt(self, seq):
-        self.bm.deallocate(seq)
+    @rule(session=st.sampled_from(["a", "b"]))
+    def release(self, session):
+        self.bm.release(session)
+
+    def finish_or_preempt(self, seq, session=None):
+        self.bm.deallocate(seq, keep_for=session)
         assert seq.block_table == [] and seq.num_computed_tokens == 0
         self.seqs.remove(seq)
 

@@ -113,3 +113,44 @@ def test_ten_thousand_stored_responses_hold_under_50_mb():
     grown = _rss() - before
     assert len(store) == 10_000
     assert store.nbytes < 50 << 20 and grown < 50 << 20, (store.nbytes, grown)
+
+
+# ---- the KV blocks a stored conversation keeps (a live server over the fake runner) --------
+
+
+def test_a_stored_conversation_keeps_its_blocks_past_other_traffic(tokenizer):
+    import httpx
+    from fakes import assert_holds_nothing, make_engine, serving, wait_until
+
+    from engine.async_engine import Engines
+
+    engine, _ = make_engine(tokenizer, max_model_len=512, num_blocks=48)
+    text = lambda i: " ".join(f"word{i}x{j}" for j in range(60))  # noqa: E731 (~200 tokens)
+    try:
+        with serving(Engines({"fake": engine})) as url, httpx.Client(base_url=url,
+                                                                        timeout=60) as http:
+            def respond(**body):
+                r = http.post("/v1/responses", json={"max_output_tokens": 2, **body})
+                assert r.status_code == 200, r.text
+                return r.json()
+
+            stored = respond(input=text(0))
+            unstored = respond(input=text(1), store=False)
+            bm = engine.engine.block_manager
+            assert wait_until(lambda: bm.num_kept_blocks > 0)
+            for i in range(2, 12):  # ten others, ~13 blocks each, through a 47-block pool
+                respond(input=text(i), store=False)
+            again = respond(input=text(1), store=False)
+            # evicted, but for the template's opening block (the stored one keeps that too)
+            assert again["usage"]["input_tokens_details"]["cached_tokens"] <= 16
+            nxt = respond(input="and then?", previous_response_id=stored["id"])
+            cached = nxt["usage"]["input_tokens_details"]["cached_tokens"]
+            prompt = stored["usage"]["input_tokens"]
+            assert cached >= prompt - 16, (cached, prompt)
+            assert unstored["usage"]["input_tokens"] == prompt
+            for r in (stored, nxt):
+                assert http.delete(f"/v1/responses/{r['id']}").status_code == 200
+            assert wait_until(lambda: bm.num_kept_blocks == 0)
+            assert_holds_nothing(url, engine)
+    finally:
+        engine.shutdown()
