@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from engine.sampling_params import INT_MAX, SamplingParamsError
 from server.chat_protocol import MAX_MESSAGES, ChatCompletionRequest
@@ -170,6 +170,25 @@ class ResponsesRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: LogitBias = None
     cache_salt: str | None = None
+    # What this server cannot honour is refused (a 400 naming the field), never dropped.
+    background: Literal[False] | None = Field(None, description="Not supported (400 if true).")
+    truncation: Literal["disabled"] | None = Field(None, description="Only 'disabled'.")
+    top_logprobs: Literal[0] | None = Field(None, description="Not supported (400 if > 0).")
+    conversation: Annotated[Any, WithJsonSchema({"type": "null", "description":
+                                                 "Not supported: use previous_response_id."})
+                            ] = None
+    prompt: Annotated[Any, WithJsonSchema({"type": "null",
+                                           "description": "Not supported (stored prompts)."})
+                      ] = None
+
+    @field_validator("conversation", "prompt")
+    @classmethod
+    def _unsupported(cls, value, info):
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported"
+                             + (": continue a response with previous_response_id"
+                                if info.field_name == "conversation" else ""))
+        return value
 
     def input_messages(self) -> list[dict]:
         """This request's input as chat messages (the instructions not included)."""

@@ -154,3 +154,28 @@ def test_a_stored_conversation_keeps_its_blocks_past_other_traffic(tokenizer):
             assert_holds_nothing(url, engine)
     finally:
         engine.shutdown()
+
+
+def test_stored_responses_survive_an_engine_reboot(tokenizer):
+    import httpx
+    from fakes import make_engine, serving, wait_until
+
+    from engine.async_engine import Engines
+
+    engine, runners = make_engine(tokenizer, max_model_len=512)
+    try:
+        with serving(Engines({"fake": engine})) as url, httpx.Client(base_url=url,
+                                                                        timeout=60) as http:
+            first = http.post("/v1/responses", json={"input": "remember this",
+                                                     "max_output_tokens": 2}).json()
+            runners[-1].fail_next = True  # the engine thread dies on the next step
+            failed = http.post("/v1/responses", json={"input": "boom", "max_output_tokens": 2})
+            assert failed.status_code == 503, failed.text
+            assert wait_until(lambda: engine.alive and engine.num_restarts == 1, 60)
+            nxt = http.post("/v1/responses", json={"input": "and then?", "max_output_tokens": 2,
+                                                   "previous_response_id": first["id"]})
+            assert nxt.status_code == 200, nxt.text
+            assert nxt.json()["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+            assert http.get(f"/v1/responses/{first['id']}").json()["id"] == first["id"]
+    finally:
+        engine.shutdown()

@@ -4,13 +4,16 @@ index (`mcp-server-time`) and one of ours (tests/mcp_test_server.py) over stdio.
 forced by the grammar (`tool_choice` required or a named tool) run the loop to the round
 cap; a tool that fails or hangs gives the model an error result and the request still ends;
 a client that leaves stops the loop and frees its blocks; nothing compiles after warmup.
-The server's own MCP endpoint (/mcp) through the SDK's client is here too."""
+The server's own MCP endpoint (/mcp) through the SDK's client is here too, and, on the same
+server's 2,048-token context, a long stored conversation whose second turn comes from the
+prefix cache."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -207,3 +210,37 @@ def test_the_mcp_endpoint_serves_the_model(tool_server):
     wrong = httpx.post(f"{tool_server}/mcp", headers={"Authorization": "Bearer wrong"},
                        json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
     assert wrong.status_code == 401
+
+
+# ---- a long conversation: the second turn from the prefix cache ------------------------------
+
+
+def _first_token_seconds(client, **kwargs) -> tuple[float, object]:
+    start = time.perf_counter()
+    first = final = None
+    for event in client.responses.create(stream=True, **kwargs):
+        if first is None and event.type == "response.output_text.delta":
+            first = time.perf_counter() - start
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    return first, final
+
+
+def test_a_long_conversation_continues_from_the_cache(client):
+    text = " ".join(f"Section {i}: the river town kept its {i} lanterns lit through the "
+                    f"winter, and each keeper wrote the night's weather in a ledger."
+                    for i in range(60))
+    # tool_choice none: the server's tools are not offered (their prompt would not fit)
+    kw = dict(temperature=0.0, max_output_tokens=8, tool_choice="none",
+              extra_body={"ignore_eos": True})
+    first_ttft, first = _first_token_seconds(
+        client, input=f"Read this and remember it.\n\n{text}", **kw)
+    assert first.usage.input_tokens >= 1500
+    second_ttft, second = _first_token_seconds(
+        client, input="What was the town called?", previous_response_id=first.id, **kw)
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert cached >= 0.95 * first.usage.input_tokens, (cached, first.usage.input_tokens)
+    print(f"cached {cached} of {first.usage.input_tokens}; first tokens {first_ttft:.3f} s, "
+          f"then {second_ttft:.3f} s")
+    # A turn's prefill against one chunk of new tokens: a ratio, not a speed
+    assert second_ttft <= 0.25 * first_ttft, (second_ttft, first_ttft)
