@@ -7,6 +7,7 @@ and `tool_choice` their chat forms, `text.format` a `response_format`, `max_outp
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 from engine.sampling_params import INT_MAX, SamplingParamsError
 from server.chat_protocol import MAX_MESSAGES, ChatCompletionRequest
 from server.protocol import LogitBias, MaxTokens, given, rules, served, when
+from server.strict_json import InvalidJSON, parse_json
 
 # Fields a Responses body may carry that a chat request samples with the same way (the
 # sampling extensions this server accepts on chat are accepted here too).
@@ -200,7 +202,7 @@ class ResponsesRequest(BaseModel):
                 messages.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": item.arguments}}
+                        "function": {"name": item.name, "arguments": _json_text(item.arguments)}}
                 last = messages[-1] if messages else None
                 if last is not None and last["role"] == "assistant":
                     last.setdefault("tool_calls", []).append(call)  # the same turn's calls
@@ -273,6 +275,16 @@ class ResponsesRequest(BaseModel):
                 "top_p": self.top_p,
                 "truncation": "disabled",
                 "user": self.user}
+
+
+def _json_text(arguments: str) -> str:
+    """A call's arguments as JSON text: ones that are not (a client's own edit) go to the
+    template as a string, rather than refusing the conversation."""
+    try:
+        parse_json(arguments)
+    except InvalidJSON:
+        return json.dumps(arguments)
+    return arguments
 
 
 def chat_param(param: str | None) -> str | None:

@@ -231,6 +231,9 @@ def test_a_biased_request_leaves_its_neighbours_draws_alone(llm):
     assert together[0].outputs[0].token_ids == alone
 
 
+# A repeat (slow): the bias is in the sampler every head row goes through, drafted or not
+# (test_engine's speculative test holds the drafted rows to the plain ones).
+@pytest.mark.slow
 def test_speculative_decoding_draws_what_the_biased_target_draws(llm):
     """Prompt lookup and a draft model (the default model drafting for itself, with the
     target's sampling parameters, biases included) give what plain decoding gives: drafts the

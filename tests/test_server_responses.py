@@ -290,8 +290,6 @@ def test_streamed_incomplete_and_stored(client):
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
-     "input"),
     ({"input": "hi", "temperature": -1}, "temperature"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation"),

@@ -25,7 +25,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from test_server_openai import metrics, wait_for
 
-ROUNDS = 2
+ROUNDS = 1
 TIMEOUT = 2.0
 ECHO = {"type": "function", "function": {"name": "echo"}}
 
