@@ -105,6 +105,7 @@ class ResponseRun:
         self.usage = Usage()
         self.current: ChatGeneration | None = None
         self.capped = False  # the round cap ended it
+        self.kept = False  # stored: the store releases its blocks when it drops it
 
     async def start_round(self) -> ChatGeneration:
         # A stored response's turn keeps its blocks cached while the store keeps it.
@@ -113,8 +114,13 @@ class ResponseRun:
         return self.current
 
     def close(self) -> None:
+        """The run is over, however it ended: a response that was to be stored and was not
+        (an error, a client gone after a round of tool calls) releases the blocks its rounds
+        kept."""
         if self.current is not None:
             self.current.close()
+        if self.req.store and not self.kept and self.store.on_drop is not None:
+            self.store.on_drop(self.id)
 
     def _server(self, name: str) -> str:
         server_of = getattr(self.loop.runner, "server_of", None)
@@ -174,11 +180,17 @@ class ResponseRun:
         messages = [m.model_dump(exclude_none=True) for m in self.chat.messages]
         if self.req.instructions:
             messages = messages[1:]
-        self.store.put(self.id, StoredResponse(response, messages + [reply]))
+        self.kept = self.store.put(self.id, StoredResponse(response, messages + [reply]))
 
     # ---- whole --------------------------------------------------------------------------
 
     async def whole(self, gen: ChatGeneration) -> Response:
+        try:
+            return await self._whole(gen)
+        finally:
+            self.close()
+
+    async def _whole(self, gen: ChatGeneration) -> Response:
         output: list[dict] = []
         for round_ in itertools.count():
             if round_:

@@ -179,3 +179,23 @@ def test_stored_responses_survive_an_engine_reboot(tokenizer):
             assert http.get(f"/v1/responses/{first['id']}").json()["id"] == first["id"]
     finally:
         engine.shutdown()
+
+
+def test_a_response_the_store_refuses_keeps_no_blocks(tokenizer):
+    import httpx
+    from fakes import make_engine, serving, wait_until
+
+    from engine.async_engine import Engines
+
+    engine, _ = make_engine(tokenizer, max_model_len=512)
+    try:
+        with serving(Engines({"fake": engine}), sessions=SessionStore(max_bytes=100)) as url:
+            r = httpx.post(f"{url}/v1/responses", json={"input": "hi", "max_output_tokens": 2},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+            assert httpx.get(f"{url}/v1/responses/{r.json()['id']}").status_code == 404
+            bm = engine.engine.block_manager
+            assert wait_until(lambda: not engine.engine.has_unfinished()
+                              and bm.num_kept_blocks == 0)
+    finally:
+        engine.shutdown()
