@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -26,65 +25,23 @@ from starlette.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
 from engine.sessions import SessionStore, StoredResponse
-from engine.tool_loop import ToolCall, ToolLoop, ToolResult
+from engine.tool_loop import ToolCall, ToolLoop
 from server.chat import ChatGeneration, start_chat
 from server.errors import CLIENT_ERRORS, APIError, api_error
 from server.generation import ClosingStream
 from server.metrics import RequestTracker
 from server.reasoning import ReasoningParser
+from server.response_items import StreamedItems, items_of, mcp_item, new_id
 from server.responses_protocol import ResponsesRequest, chat_param
-from server.tool_rounds import Usage, calls_of, continued, reply_content, run_unless_gone
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [_text_part(text)] if status == "completed" else []}
-
-
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
-    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}] if status == "completed"
-            else []}
-
-
-def _call_item(item_id: str, call_id: str, name: str, arguments: str,
-               status: str = "completed") -> dict:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
-
-
-def _mcp_item(item_id: str, call: ToolCall, server: str, result: ToolResult | None) -> dict:
-    item = {"type": "mcp_call", "id": item_id, "server_label": server, "name": call.name,
-            "arguments": call.arguments, "output": None, "error": None,
-            "status": "in_progress"}
-    if result is not None and result.is_error:  # (OpenAI's shape for a tool's own failure)
-        item.update(status="failed", error={"type": "mcp_tool_execution_error",
-                                            "content": [{"type": "text", "text": result.text}]})
-    elif result is not None:
-        item.update(status="completed", output=result.text)
-    return item
-
-
-def _items_of(message: dict, server_tools: set[str]) -> list[dict]:
-    """A finished round's reply as output items (the calls to the server's tools left out)."""
-    items = []
-    if message.get("reasoning_content"):
-        items.append(_reasoning_item(_id("rs"), message["reasoning_content"]))
-    if message.get("content"):
-        items.append(_message_item(_id("msg"), message["content"]))
-    for call in message.get("tool_calls", ()):
-        if call["function"]["name"] not in server_tools:
-            items.append(_call_item(_id("fc"), call["id"], call["function"]["name"],
-                                    call["function"]["arguments"]))
-    return items
+from server.tool_rounds import (
+    Usage,
+    calls_of,
+    continued,
+    reply_content,
+    run_unless_gone,
+    streamed_calls,
+    to_run,
+)
 
 
 class ResponseRun:
@@ -98,7 +55,7 @@ class ResponseRun:
         self.request, self.req, self.store, self.loop = request, req, store, loop
         self.args = (model, engine, tracker, reasoning, allow)
         self.model = model
-        self.id = _id("resp")
+        self.id = new_id("resp")
         self.created = int(time.time())
         self.chat = req.chat_request(history)
         self.server_tools = loop.names() if loop is not None else set()
@@ -127,14 +84,9 @@ class ResponseRun:
         return (server_of(name) if server_of else None) or "xlaserve"
 
     def _continues(self, calls: list[ToolCall], round_: int) -> list[ToolCall]:
-        """The server's calls to run before another round; [] when this round is the last
-        (no call of the server's, a call of the client's, or the cap)."""
-        mine = self.loop.server_calls(calls) if self.loop is not None else []
-        if not mine or len(mine) < len(calls):
-            return []
-        if round_ == self.loop.max_rounds:
-            self.capped = True
-            return []
+        """The server's calls to run before another round ([] for the last round)."""
+        mine, capped = to_run(self.loop, calls, round_)
+        self.capped = self.capped or capped
         return mine
 
     # ---- the response object ------------------------------------------------------------
@@ -200,7 +152,7 @@ class ResponseRun:
             self.usage.add(gen.usage())
             out = gen.last[0].outputs[0]
             message = gen._choice(0, 0, out)["message"]
-            output += _items_of(message, self.server_tools)
+            output += items_of(message, self.server_tools)
             mine = self._continues(calls_of(message), round_)
             if not mine:
                 response = self._object("completed", output, out.finish_reason)
@@ -209,7 +161,7 @@ class ResponseRun:
             results = await run_unless_gone(self.request, self.loop, mine)
             if results is None:
                 return Response(status_code=499)
-            output += [_mcp_item(_id("mcp"), c, self._server(c.name), r)
+            output += [mcp_item(new_id("mcp"), c, self._server(c.name), r)
                        for c, r in zip(mine, results, strict=True)]
             self.chat = continued(self.chat, message.get("content"), mine, results)
         raise AssertionError("unreachable")
@@ -223,7 +175,7 @@ class ResponseRun:
             data = {"type": kind, "sequence_number": next(numbers), **fields}
             return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-        items = _StreamedItems(event)
+        items = StreamedItems(event)
         yield event("response.created", response=self._object("in_progress", []))
         yield event("response.in_progress", response=self._object("in_progress", []))
         try:
@@ -241,17 +193,14 @@ class ResponseRun:
                         yield text
                     finish = c.finish_reason or finish
                 self.usage.add(gen.usage())
-                stream = gen._tool_streams.get(0)
-                calls = [ToolCall(k.id, k.name, k.arguments) for k in stream.calls] \
-                    if stream is not None else []
-                mine = self._continues(calls, round_)
+                mine = self._continues(streamed_calls(gen), round_)
                 if not mine:
                     break
                 for text in items.close_text():
                     yield text
                 pending = []
                 for c in mine:
-                    index, added = items.add(_mcp_item(_id("mcp"), c, self._server(c.name), None))
+                    index, added = items.add(mcp_item(new_id("mcp"), c, self._server(c.name), None))
                     pending.append(index)
                     yield added
                 for index, call in zip(pending, mine, strict=True):
@@ -265,7 +214,7 @@ class ResponseRun:
                 results = await self.loop.run(mine)  # (a client gone cancels this)
                 for index, call, result in zip(pending, mine, results, strict=True):
                     item = items.output[index]
-                    item.update(_mcp_item(item["id"], call, item["server_label"], result))
+                    item.update(mcp_item(item["id"], call, item["server_label"], result))
                     yield event(f"response.mcp_call.{item['status']}", item_id=item["id"],
                                 output_index=index)
                     yield event("response.output_item.done", output_index=index, item=item)
@@ -282,111 +231,6 @@ class ResponseRun:
             yield event("response.failed", response=self._object(
                 "failed", items.output, error={"code": err.code or "server_error",
                                                "message": err.message}))
-
-
-class _StreamedItems:
-    """The output items of a streamed response as chat deltas arrive, and their events: a
-    reasoning or message item stays open while its text grows and is done when another item
-    starts; function calls are done at the end."""
-
-    def __init__(self, event):
-        self._event = event
-        self.output: list[dict] = []  # every item, in output order, as it stands
-        self._text: int | None = None  # the open reasoning or message item's index
-        self._calls: dict[int, int | None] = {}  # a call's index in the reply -> its output
-        self._server_tools: set[str] = set()   # index (None: a call of the server's tools)
-
-    def new_round(self, server_tools: set[str]) -> None:
-        """The next round's reply: its calls count from 0; the server's own are not shown
-        as function calls (they run, and show as mcp_call items)."""
-        self._calls, self._server_tools = {}, server_tools
-
-    def add(self, item: dict) -> tuple[int, str]:
-        """A whole item added: its index and its event."""
-        self.output.append(item)
-        index = len(self.output) - 1
-        return index, self._event("response.output_item.added", output_index=index,
-                                  item=dict(item))
-
-    def feed(self, delta: dict) -> list[str]:
-        events = []
-        if delta.get("reasoning_content"):
-            events += self._grow("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            events += self._grow("message", delta["content"])
-        for call in delta.get("tool_calls", ()):
-            if call["index"] not in self._calls and \
-                    call["function"].get("name") in self._server_tools:
-                self._calls[call["index"]] = None
-            index = self._calls.get(call["index"], -1)
-            if index is None:  # the server's own call
-                continue
-            if index == -1:
-                events += self.close_text()
-                index = self._calls[call["index"]] = len(self.output)
-                self.output.append(_call_item(_id("fc"), call["id"], call["function"]["name"],
-                                              "", "in_progress"))
-                events.append(self._event("response.output_item.added", output_index=index,
-                                          item=dict(self.output[index])))
-            arguments = call["function"]["arguments"]
-            if arguments:
-                self.output[index]["arguments"] += arguments
-                events.append(self._event("response.function_call_arguments.delta",
-                                          item_id=self.output[index]["id"],
-                                          output_index=index, delta=arguments))
-        return events
-
-    def _grow(self, kind: str, text: str) -> list[str]:
-        events = []
-        if self._text is None or self.output[self._text]["type"] != kind:
-            events += self.close_text()
-            self._text = index = len(self.output)
-            item = (_message_item if kind == "message" else _reasoning_item)(
-                _id("msg" if kind == "message" else "rs"), "", "in_progress")
-            self.output.append(item)
-            part = (_text_part("") if kind == "message"
-                    else {"type": "reasoning_text", "text": ""})
-            item["content"].append(part)
-            events.append(self._event("response.output_item.added", output_index=index,
-                                      item={**item, "content": []}))
-            events.append(self._event("response.content_part.added", item_id=item["id"],
-                                      output_index=index, content_index=0, part=dict(part)))
-        index = self._text
-        item = self.output[index]
-        item["content"][0]["text"] += text
-        kind_event = "output_text" if kind == "message" else "reasoning_text"
-        extra = {"logprobs": []} if kind == "message" else {}
-        events.append(self._event(f"response.{kind_event}.delta", item_id=item["id"],
-                                  output_index=index, content_index=0, delta=text, **extra))
-        return events
-
-    def close_text(self) -> list[str]:
-        if self._text is None:
-            return []
-        index, self._text = self._text, None
-        item = self.output[index]
-        part = item["content"][0]
-        kind_event = "output_text" if item["type"] == "message" else "reasoning_text"
-        extra = {"logprobs": []} if item["type"] == "message" else {}
-        item["status"] = "completed"
-        return [self._event(f"response.{kind_event}.done", item_id=item["id"],
-                            output_index=index, content_index=0, text=part["text"], **extra),
-                self._event("response.content_part.done", item_id=item["id"],
-                            output_index=index, content_index=0, part=part),
-                self._event("response.output_item.done", output_index=index, item=item)]
-
-    def close_all(self) -> list[str]:
-        events = self.close_text()
-        for index, item in enumerate(self.output):
-            if item["type"] != "function_call" or item["status"] == "completed":
-                continue
-            item["status"] = "completed"
-            events.append(self._event("response.function_call_arguments.done",
-                                      item_id=item["id"], output_index=index,
-                                      name=item["name"], arguments=item["arguments"]))
-            events.append(self._event("response.output_item.done", output_index=index,
-                                      item=item))
-        return events
 
 
 async def create_response(request: Request, req: ResponsesRequest, model: str,

@@ -32,6 +32,11 @@ class InputText(BaseModel):
     text: str
 
 
+def _joined(content: str | list[InputText]) -> str:
+    """Text parts joined, as OpenAI does."""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
 class MessageItem(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -40,9 +45,7 @@ class MessageItem(BaseModel):
     content: str | list[InputText]
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return _joined(self.content)
 
 
 class FunctionCallItem(BaseModel):
@@ -64,9 +67,7 @@ class FunctionCallOutputItem(BaseModel):
     output: str | list[InputText]
 
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(part.text for part in self.output)
+        return _joined(self.output)
 
 
 class ReasoningItem(BaseModel):

@@ -60,6 +60,24 @@ def calls_of(message: dict) -> list[ToolCall]:
             for c in message.get("tool_calls", ())]
 
 
+def streamed_calls(gen: ChatGeneration) -> list[ToolCall]:
+    """A streamed round's calls, as its tool stream parsed them."""
+    stream = gen._tool_streams.get(0)
+    return [ToolCall(k.id, k.name, k.arguments) for k in stream.calls] if stream else []
+
+
+def to_run(loop: ToolLoop | None, calls: list[ToolCall],
+           round_: int) -> tuple[list[ToolCall], bool]:
+    """The server's calls to run before another round, [] when this round is the last (no
+    call of the server's, a call of the client's, or the cap); and whether the cap ended it."""
+    mine = loop.server_calls(calls) if loop is not None else []
+    if not mine or len(mine) < len(calls):
+        return [], False
+    if round_ == loop.max_rounds:
+        return [], True
+    return mine, False
+
+
 async def run_unless_gone(request: Request, loop: ToolLoop,
                           calls: list[ToolCall]) -> list[ToolResult] | None:
     """The calls' results; None (the calls cancelled) when the client leaves first."""
@@ -133,17 +151,15 @@ class _Rounds:
             body["usage"] = self.usage.body()
             choice = body["choices"][0]
             message = choice["message"]
-            calls = calls_of(message)
-            mine = self.loop.server_calls(calls)
+            mine, _ = to_run(self.loop, calls_of(message), round_)
             if not mine:
-                return JSONResponse(body)
-            if len(mine) < len(calls) or round_ == self.loop.max_rounds:
-                theirs = [c for c in message["tool_calls"]
-                          if c["function"]["name"] not in self.loop.names()]
-                message.pop("tool_calls")
-                if theirs:
-                    message["tool_calls"] = theirs
-                choice["finish_reason"] = "tool_calls" if theirs else "length"
+                calls = message.get("tool_calls", [])
+                theirs = [c for c in calls if c["function"]["name"] not in self.loop.names()]
+                if len(theirs) < len(calls):  # the server's calls are not run: not shown
+                    message.pop("tool_calls")
+                    if theirs:
+                        message["tool_calls"] = theirs
+                    choice["finish_reason"] = "tool_calls" if theirs else "length"
                 return JSONResponse(body)
             results = await run_unless_gone(self.request, self.loop, mine)
             if results is None:
@@ -182,16 +198,13 @@ class _Rounds:
                     if content or lps:
                         yield gen._chunk(0, content, lps, None, c.token_ids)
                 self.usage.add(gen.usage())
-                stream = gen._tool_streams.get(0)
-                calls = [ToolCall(k.id, k.name, k.arguments) for k in stream.calls] if stream \
-                    else []
-                server_calls = self.loop.server_calls(calls)
-                if not server_calls or len(server_calls) < len(calls) or \
-                        round_ == self.loop.max_rounds:
-                    if server_calls and len(server_calls) == len(calls):
+                calls = streamed_calls(gen)
+                server_calls, capped = to_run(self.loop, calls, round_)
+                if not server_calls:
+                    if capped:
                         finish = "length"  # the cap: the last round's calls are not run
-                    elif server_calls:
-                        finish = "tool_calls"
+                    elif self.loop.server_calls(calls):
+                        finish = "tool_calls"  # the client's calls beside them
                     yield gen._chunk(0, {}, None, finish)
                     break
                 results = await self.loop.run(server_calls)  # (a client gone cancels this)

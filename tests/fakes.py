@@ -110,13 +110,20 @@ def make_engine(tokenizer, name="fake", step=1, max_model_len=128, **over):
 @contextlib.contextmanager
 def serving(engines: Engines, **app_options):
     """A live server (uvicorn on 127.0.0.1, in a thread) for `engines`: yields its URL."""
-    from servers import free_port
-
     from server.app import build_app
 
+    with live(build_app(engines, **app_options)) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def live(app):
+    """`app` on 127.0.0.1 under uvicorn in a thread, its lifespan run: yields the base URL."""
+    from servers import free_port
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engines, **app_options), host="127.0.0.1",
-                                           port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

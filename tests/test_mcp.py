@@ -18,11 +18,9 @@ import httpx
 import httpx2
 import mcp_types
 import pytest
-import uvicorn
-from fakes import make_engine, wait_until
+from fakes import live, make_engine, wait_until
 from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
-from servers import free_port
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -265,22 +263,6 @@ def test_config_file_missing(tmp_path):
 
 
 # ---- xlaserve's own /mcp endpoint -------------------------------------------------------
-
-@contextlib.contextmanager
-def live(app):
-    """`app` on 127.0.0.1 under uvicorn in a thread, its lifespan run: yields the base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        assert wait_until(lambda: server.started, timeout=30)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
 
 def test_started_and_stopped_by_an_app_lifespan_called_by_its_handlers():
     """The way the server drives it: start and stop in the lifespan's task, calls from
