@@ -126,6 +126,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
+    @property
+    def vocab_size(self) -> int | None:
+        return self.engine.vocab_size
+
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None, add_special_tokens: bool = True,
                           cache_salt: str | None = None,

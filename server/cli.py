@@ -23,7 +23,9 @@ from engine.config import (
     CPU_KERNELS,
     KV_CACHE_DTYPES,
     LAYER_LOOPS,
+    POOLING_TYPES,
     QUANTIZATION_CHOICES,
+    TASKS,
     parse_bytes,
 )
 from engine.launch import parse_model_arg, start_engines
@@ -138,6 +140,16 @@ def parser() -> argparse.ArgumentParser:
                         '"prompt_lookup_min": 1}\' or a draft model of the same vocabulary '
                         '\'{"model": PATH_OR_NAME, "num_speculative_tokens": 4}\' (off by '
                         'default; drafts only while a step has few sequences; docs/serving.md)')
+    p.add_argument("--task", choices=TASKS, default="auto",
+                   help="what each model serves: generate (completions, chat, responses) or "
+                        "embed (pooled vectors at /v1/embeddings); auto: an encoder-only "
+                        "model (BERT) embeds, a decoder generates")
+    p.add_argument("--pooling", choices=POOLING_TYPES, default="auto",
+                   help="how an embedding model pools its token states: auto (its files' "
+                        "1_Pooling/config.json; a decoder: last), mean, cls or last")
+    p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="L2-normalise embeddings (default: as the model's files say; a "
+                        "decoder: yes)")
     p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                    help="auto: a request that leaves temperature, top_p, top_k, min_p or "
                         "repetition_penalty unset gets the model's recommended value (an HF "
@@ -360,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
             max_waiting_requests=args.max_waiting_requests, seed=args.seed,
             async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant,
             cpu_kernels=args.cpu_kernels, speculative=args.speculative_config,
-            layer_loop=args.layer_loop, load_format=args.load_format,
+            layer_loop=args.layer_loop, load_format=args.load_format, task=args.task,
+            pooling=args.pooling, normalize=args.normalize,
             generation_config=args.generation_config,
             generation_overrides=args.override_generation_config)
     except (ValueError, FileNotFoundError, OSError) as e:

@@ -133,7 +133,9 @@ class McpEndpoint:
 
     def __init__(self, engines: Engines, path: str = "/mcp"):
         self.engines = engines
-        self.models = tool_names(engines.names())  # tool name -> served model
+        # tool name -> served model (a model that embeds generates no replies)
+        self.models = tool_names([name for name in engines.names()
+                                  if getattr(engines[name], "task", "generate") == "generate"])
         try:
             version = metadata.version("xlaserve")
         except metadata.PackageNotFoundError:

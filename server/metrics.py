@@ -119,6 +119,11 @@ class RequestTracker:
     def accepted(self, num_prompt_tokens: int) -> None:
         self.m.prompt_tokens.labels(self.model).inc(num_prompt_tokens)
 
+    def embedded(self) -> None:
+        """An embeddings request answered."""
+        self.m.e2e.labels(self.model).observe(time.perf_counter() - self.arrival)
+        self.m.requests.labels(self.model, "stop").inc()
+
     def output(self, out: RequestOutput) -> None:
         now = time.perf_counter()
         new = sum(len(c.token_ids) for c in out.outputs)  # (outputs are deltas)

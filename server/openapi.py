@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel
 
 from server.chat_protocol import ChatCompletionRequest, TokenizeRequest
+from server.embeddings import EmbeddingRequest
 from server.protocol import CompletionRequest, DetokenizeRequest
 from server.responses_protocol import ResponsesRequest
 
@@ -32,6 +33,8 @@ _ROUTES = {
     "/v1/responses/{response_id}": [
         ("get", "A stored response.", None, "The response object."),
         ("delete", "Delete a stored response.", None, "{id, object, deleted}")],
+    "/v1/embeddings": ("post", "Embeddings of texts or token ids (a model that embeds).",
+                       EmbeddingRequest, "A list of embedding objects with usage."),
     "/v1/models": ("get", "The served models.", None, "A list of model objects."),
     "/tokenize": ("post", "Token ids of a prompt or a chat.", TokenizeRequest,
                   "{count, max_model_len, tokens}"),

@@ -262,7 +262,10 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="GGUF file, HF directory or Orbax checkpoint, or a known "
-                                   "model's name (default: the default model)")
+                                   "model's name (default: the default model; with --task "
+                                   "embed, all-minilm-l6-v2)")
+    p.add_argument("--task", choices=("generate", "embed"), default="generate",
+                   help="embed: texts a second of an embedding model (engine/bench/embed.py)")
     p.add_argument("--random-weights", action="store_true")
     p.add_argument("--config", default="smollm2-135m", help="preset shape for --random-weights")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -322,6 +325,12 @@ def main(argv=None) -> int:
     if args.simulate_device_ms is not None:
         _print(simulate(args), args.output)
         return 0
+    if args.task == "embed":
+        from engine.bench.embed import run_embed
+
+        res = run_embed(args)
+        _print(res, args.output)
+        return 0 if res["compilations_after_warmup"] == 0 else 1
 
     # Read before the KV pool takes the device's memory: 4 GiB on an accelerator.
     read_bytes_per_s = read_bandwidth(256 << 20 if jax.default_backend() == "cpu" else 4 << 30)

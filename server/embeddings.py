@@ -1,0 +1,106 @@
+"""POST /v1/embeddings: OpenAI's embeddings API over a pooling model's engine
+(engine/embedding_engine.py).
+
+`input` is a text, texts, token ids or lists of them (each one input, embedded on its own);
+`encoding_format` float or base64 (little-endian float32, as OpenAI's clients decode it);
+`dimensions` only for a model whose files say it was trained to be truncated (Matryoshka:
+`matryoshka_dimensions` in its config.json), then the first `dimensions` values,
+normalised again when the model normalises. An input longer than the model takes is a 400
+naming the limit.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from starlette.responses import JSONResponse, Response
+
+from engine.embedding_engine import EmbeddingEngine
+from engine.scheduler import RequestRejected
+from server.errors import APIError
+from server.protocol import served
+
+MAX_INPUTS = 2048  # inputs in one request, as OpenAI's API
+# A text longer in bytes than this many per token cannot fit the model (server/generation.py
+# refuses prompts the same way): it is refused before it is tokenized.
+MAX_BYTES_PER_TOKEN = 64
+
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0,
+                                                         **served("token_id")},
+              **served("max_tokens")}
+_INPUT = {"anyOf": [{"type": "string", "minLength": 1},
+                    {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS,
+                     "items": {"type": "string", "minLength": 1}},
+                    _TOKEN_IDS, {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS,
+                                 "items": _TOKEN_IDS}],
+          "description": "A text, texts, token ids, or lists of token ids: each one input."}
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="Served model name; optional with one model.",
+                              json_schema_extra=served("model"))
+    input: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(_INPUT)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="Truncate each vector to this many "
+                                   "values (only models trained for it).")
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _inputs_given(cls, value):
+        inputs = _inputs(value)
+        if not inputs or not all(inputs):
+            raise ValueError("input is empty")
+        if len(inputs) > MAX_INPUTS:
+            raise ValueError(f"at most {MAX_INPUTS} inputs in one request, got {len(inputs)}")
+        return value
+
+    def inputs(self) -> list[str | list[int]]:
+        return _inputs(self.input)
+
+
+def _inputs(value) -> list[str | list[int]]:
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        return [value]
+    return list(value)
+
+
+async def create_embeddings(req: EmbeddingRequest, model: str, engine: EmbeddingEngine,
+                            tracker) -> Response:
+    if req.dimensions is not None and req.dimensions not in engine.truncations:
+        allowed = (f"one of {', '.join(map(str, engine.truncations))}" if engine.truncations
+                   else f"not set: {model} was not trained for shorter vectors")
+        raise APIError(400, f"dimensions must be {allowed}", param="dimensions")
+    ids = []
+    for i, item in enumerate(req.inputs()):
+        if isinstance(item, str):
+            if len(item.encode()) > MAX_BYTES_PER_TOKEN * engine.max_model_len:
+                raise APIError(400, f"input {i} is longer than this model's maximum context "
+                                    f"length of {engine.max_model_len} tokens",
+                               param="input", code="context_length_exceeded")
+            item = await engine.encode(item)
+        ids.append(item)
+    try:
+        vectors = await engine.embed(ids)
+    except RequestRejected as e:
+        code = "context_length_exceeded" if "context length" in str(e) else None
+        raise APIError(400, str(e), param="input", code=code) from None
+    if req.dimensions is not None:
+        vectors = vectors[:, :req.dimensions]
+        if engine.normalizes:
+            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True),
+                                           1e-12)
+    num_tokens = sum(map(len, ids))
+    tracker.accepted(num_tokens)
+    tracker.embedded()
+    data = [{"object": "embedding", "index": i,
+             "embedding": (base64.b64encode(v.astype("<f4").tobytes()).decode()
+                           if req.encoding_format == "base64" else v.tolist())}
+            for i, v in enumerate(vectors)]
+    return JSONResponse({"object": "list", "data": data, "model": model,
+                         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
