@@ -89,14 +89,15 @@ class Server:
             self.engines[name].release_session(response_id)
 
     def engine(self, model: str | None, task: str = "generate") -> tuple[str, AsyncEngine]:
-        """The engine of the request's model (the only model when it names none), which must
-        serve `task` ("generate" or "embed")."""
+        """The engine of the request's model, which must serve `task` ("generate" or "embed");
+        a request that names none gets the only model, or the only one serving `task`."""
         names = self.engines.names()
-        if model is None:
-            if len(names) != 1:
+        if model is None:  # the one model there is, or the one model doing this task
+            doing = [n for n in names if getattr(self.engines[n], "task", "generate") == task]
+            if len(names) != 1 and len(doing) != 1:
                 raise APIError(400, f"model is required; served models: {', '.join(names)}",
                                param="model")
-            model = names[0]
+            model = names[0] if len(names) == 1 else doing[0]
         engine = self.engines[model]  # UnknownModel -> 404
         if getattr(engine, "task", "generate") != task:
             serves = ("embeddings (/v1/embeddings), not generation" if task == "generate" else

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import types
 
 import httpx
 import numpy as np
@@ -13,6 +14,7 @@ import uvicorn
 
 from engine.async_engine import AsyncEngine, Engines
 from engine.config import EngineConfig
+from engine.embedding_engine import embed_buckets
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepResult
 from engine.speculative import StepCosts
@@ -155,3 +157,53 @@ def assert_holds_nothing(url: str, engine) -> None:
     bm = engine.engine.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks
     bm.check_invariants()
+
+
+class FakeEmbeddingRunner:
+    """An embedding runner whose vector of a row is [sum of its ids, its length, its first
+    id]; every run recorded."""
+
+    max_model_len = 64
+    vocab_size = 1000
+    hidden_size = 3
+    truncations = ()
+    pooling = types.SimpleNamespace(normalize=False)
+    weight_bytes = 0
+    compilations_after_warmup = 0
+
+    def __init__(self, config, fail_on=None, gate=None):
+        self.buckets = embed_buckets(config.max_num_seqs, config.max_num_batched_tokens,
+                                     self.max_model_len)
+        self.runs = []
+        self.warm = False
+        self.fail_on = fail_on  # a first id that makes run() raise
+        self.gate = gate  # a threading.Event each run waits for
+
+    def warmup(self):
+        self.warm = True
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def run(self, tokens, lengths):
+        if self.gate is not None:
+            self.gate.wait(10)
+        assert tuple(tokens.shape) in self.buckets
+        self.runs.append((tokens.copy(), lengths.copy()))
+        if self.fail_on is not None and self.fail_on in tokens[:, 0]:
+            raise RuntimeError("device fell over")
+        return np.stack([tokens.sum(1), lengths, tokens[:, 0]], 1).astype(np.float32)
+
+    def release(self):
+        pass
+
+
+def make_embedding_engine(name="embed", **over):
+    """An EmbeddingEngine over a FakeEmbeddingRunner: (engine, the runners it built)."""
+    from engine.embedding_engine import EmbeddingEngine
+
+    runners = []
+    cfg = EngineConfig(model=name, name=name, task="embed", max_num_seqs=8,
+                       max_num_batched_tokens=64, **over)
+    return EmbeddingEngine(cfg, factory=lambda c: runners.append(FakeEmbeddingRunner(c))
+                           or runners[-1]), runners

@@ -17,13 +17,14 @@ from typing import get_args, get_origin
 
 import httpx
 import pytest
-from fakes import assert_holds_nothing, make_engine, serving
+from fakes import assert_holds_nothing, make_embedding_engine, make_engine, serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from engine.async_engine import Engines
 from server.chat_protocol import ChatCompletionRequest, TokenizeRequest
+from server.embeddings import EmbeddingRequest
 from server.protocol import CompletionRequest, DetokenizeRequest
 from server.responses_protocol import ResponsesRequest
 from server.tool_parsers import HermesParser, Llama3JsonParser
@@ -58,6 +59,8 @@ ROUTES = {
              "parameters"]}], "tool_choice": "required", "store": False},
         {"input": "hi", "max_output_tokens": 2, "text": {"format": {
             "type": "json_schema", "name": "x", "schema": {"type": "object"}}}}]),
+    "/v1/embeddings": (EmbeddingRequest, [
+        {"input": "hi"}, {"input": [[1, 2], [3]], "encoding_format": "base64"}]),
     "/tokenize": (TokenizeRequest, [{"prompt": "hi"}, {"messages": USER}]),
     "/detokenize": (DetokenizeRequest, [{"tokens": [1, 2]}]),
 }
@@ -151,15 +154,18 @@ HYPOTHESIS = dict(deadline=None, database=None, suppress_health_check=list(Healt
 
 @pytest.fixture(scope="module")
 def live(tokenizer):
-    """(httpx client on a live server for one fake model named "fake", AsyncEngine); its
-    context holds a chat with a tool prompt."""
+    """(httpx client on a live server for a fake model named "fake" and a fake embedding
+    model beside it, the fake's AsyncEngine); its context holds a chat with a tool prompt."""
     engine, _ = make_engine(tokenizer, name="fake", max_model_len=512, max_waiting_requests=64)
+    embedder, _ = make_embedding_engine(max_waiting_requests=64)
     try:
-        with serving(Engines({"fake": engine}), max_body_bytes=1 << 20) as url, \
+        with serving(Engines({"fake": engine, "embed": embedder}),
+                     max_body_bytes=1 << 20) as url, \
                 httpx.Client(base_url=url, timeout=30) as client:
             yield client, engine
     finally:
         engine.shutdown()
+        embedder.shutdown()
 
 
 def post(client: httpx.Client, route: str, body: str | bytes) -> None:

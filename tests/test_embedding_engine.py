@@ -3,10 +3,10 @@ hand: batching into the bucket table, limits, abandoned requests, reboots."""
 
 import asyncio
 import threading
-import types
 
 import numpy as np
 import pytest
+from fakes import FakeEmbeddingRunner
 
 from engine.async_engine import EngineDeadError, EngineOverloaded
 from engine.config import EngineConfig
@@ -14,46 +14,13 @@ from engine.embedding_engine import EmbeddingEngine, bucket_for, embed_buckets
 from engine.scheduler import RequestRejected
 
 
-class FakeRunner:
-    """Vector of a row: [sum of its ids, its length, its first id]; every run recorded."""
-
-    max_model_len = 64
-    vocab_size = 1000
-    hidden_size = 3
-    truncations = ()
-    pooling = types.SimpleNamespace(normalize=False)
-    weight_bytes = 0
-    compilations_after_warmup = 0
-
-    def __init__(self, config, fail_on=None, gate=None):
-        self.buckets = embed_buckets(config.max_num_seqs, config.max_num_batched_tokens,
-                                     self.max_model_len)
-        self.runs = []
-        self.warm = False
-        self.fail_on = fail_on  # a first id that makes run() raise
-        self.gate = gate  # a threading.Event each run waits for
-
-    def warmup(self):
-        self.warm = True
-
-    def encode(self, text):
-        return [ord(c) for c in text]
-
-    def run(self, tokens, lengths):
-        if self.gate is not None:
-            self.gate.wait(10)
-        assert tuple(tokens.shape) in self.buckets
-        self.runs.append((tokens.copy(), lengths.copy()))
-        if self.fail_on is not None and self.fail_on in tokens[:, 0]:
-            raise RuntimeError("device fell over")
-        return np.stack([tokens.sum(1), lengths, tokens[:, 0]], 1).astype(np.float32)
-
-    def release(self):
-        pass
-
-
 def expected(ids):
     return [sum(ids), len(ids), ids[0]]
+
+
+def built(runners: list, **options):
+    """A runner factory that keeps what it built in `runners`."""
+    return lambda cfg: runners.append(FakeEmbeddingRunner(cfg, **options)) or runners[-1]
 
 
 def engine_with(runner_factory, **options):
@@ -74,7 +41,7 @@ def test_the_bucket_table_stays_within_the_token_budget():
 
 def test_requests_get_their_own_vectors_in_order_whatever_they_were_batched_with():
     runners = []
-    engine = engine_with(lambda cfg: runners.append(FakeRunner(cfg)) or runners[-1])
+    engine = engine_with(built(runners))
     rng = np.random.default_rng(0)
     requests = [[list(rng.integers(1, 1000, rng.integers(1, 60)))
                  for _ in range(rng.integers(1, 5))] for _ in range(30)]
@@ -99,7 +66,7 @@ def test_requests_get_their_own_vectors_in_order_whatever_they_were_batched_with
 
 def test_bad_inputs_are_refused_before_anything_runs():
     runners = []
-    engine = engine_with(lambda cfg: runners.append(FakeRunner(cfg)) or runners[-1])
+    engine = engine_with(built(runners))
     try:
         for inputs, words in (([[1] * 65], "maximum context length of 64"),
                               ([[]], "no tokens"), ([[5, 1000]], "outside the vocabulary")):
@@ -113,7 +80,7 @@ def test_bad_inputs_are_refused_before_anything_runs():
 def test_a_full_queue_refuses_and_an_abandoned_request_never_runs():
     gate = threading.Event()
     runners = []
-    engine = engine_with(lambda cfg: runners.append(FakeRunner(cfg, gate=gate)) or runners[-1],
+    engine = engine_with(built(runners, gate=gate),
                          max_waiting_requests=2)
 
     async def main():
@@ -141,7 +108,7 @@ def test_a_full_queue_refuses_and_an_abandoned_request_never_runs():
 
 def test_a_failed_runner_fails_its_requests_and_is_rebuilt():
     runners = []
-    engine = engine_with(lambda cfg: runners.append(FakeRunner(cfg, fail_on=13)) or runners[-1])
+    engine = engine_with(built(runners, fail_on=13))
     try:
         with pytest.raises(EngineDeadError, match="device fell over"):
             asyncio.run(engine.embed([[13, 1], [2, 2]]))
