@@ -30,7 +30,7 @@ def runner(default_gguf):
 
     runner = EmbeddingRunner(EngineConfig(model=str(default_gguf), task="embed",
                                           quantization="none", max_model_len=32,
-                                          max_num_seqs=4, max_num_batched_tokens=128))
+                                          max_num_seqs=2, max_num_batched_tokens=64))
     runner.warmup()
     return runner
 
@@ -54,8 +54,8 @@ def test_pooled_states_equal_transformers_in_any_batch(runner, reference):
     for i, x in enumerate(ids):
         state = states(reference, x)[-1]
         last[i] = state / np.linalg.norm(state)
-    # alone, then four at a time (padded rows and lengths), each row's vector the same
-    for group in ([0], [1], [2, 3, 4, 5], [5, 0, 4]):
+    # alone, then two at a time (padded rows and lengths), each row's vector the same
+    for group in ([0], [5], [2, 3], [4, 5], [1, 4]):
         longest = max(len(ids[i]) for i in group)
         rows, length = next(b for b in runner.buckets if b[0] >= len(group) and b[1] >= longest)
         tokens = np.zeros((rows, length), np.int32)
