@@ -5,6 +5,7 @@ the same client and prompts: `python -m engine.bench serve` at several concurren
     python scripts/bench_servers.py --llama-cpp-server "$(scripts/build_llama_cpp.sh | tail -1)"
     python scripts/bench_servers.py --llama-cpp-python /venv/bin/python --out bench-results/
     python scripts/bench_servers.py --cpu-kernels auto,avx2,none ...   # each kernel variant
+    python scripts/bench_servers.py --task embed --llama-cpp-server PATH  # /v1/embeddings
 
 Each server is started, waited for, benchmarked at every concurrency and stopped before
 the next one starts, so they never share the CPU. Prompts are random text of common
@@ -13,6 +14,14 @@ request asks for exactly --output-len tokens (ignore_eos / min_tokens), and the 
 counts the requests that came back with another length. Each server's time from start to
 ready and its resident memory once ready are kept too, and so are the machine's matmul
 and copy ceilings, measured before and after.
+
+`--task embed` measures /v1/embeddings instead (`python -m engine.bench serve --task embed`):
+xlaserve serving all-MiniLM-L6-v2 against `llama-server --embedding --pooling mean` on the
+same model, which llama.cpp's own convert_hf_to_gguf.py (from the tree the server was built
+from) converts once into the user cache with `--outtype f32`, so both servers compute in
+float32 (both L2-normalise the mean-pooled vector, as the model's files say). One text of
+--input-len common words per request; texts a second, prompt tokens a second (from each
+response's usage) and the latency of a whole request.
 """
 
 from __future__ import annotations
@@ -30,9 +39,16 @@ from pathlib import Path
 import httpx
 
 from engine.bench.ceilings import measure_ceilings
-from models.known_models import SERVED_NAME, fetch_default_model
+from models.known_models import (
+    SERVED_NAME,
+    cache_dir,
+    fetch_default_model,
+    fetch_model,
+    known_model,
+)
 
 SERVERS = ("xlaserve", "llama-cpp-server", "llama-cpp-python")
+EMBED_MODEL = "all-minilm-l6-v2"  # the known model of --task embed
 
 
 def free_port() -> int:
@@ -75,23 +91,35 @@ def running(cmd: list[str], url: str, ready_path: str, log: Path, timeout: float
             proc.kill()
 
 
+def served_model(args) -> str:
+    """The model name both the servers and the client use."""
+    return known_model(EMBED_MODEL).served_name if args.task == "embed" else SERVED_NAME
+
+
 def server_command(name: str, args, gguf: str, port: int) -> tuple[list[str], str]:
-    """The command line that serves the default model on port, and its ready path."""
-    ctx = args.input_len + args.output_len + 64  # room for prompts a token or two longer
+    """The command line that serves the task's model on port, and its ready path."""
+    embed = args.task == "embed"
+    # room for prompts a token or two longer ([CLS] and [SEP] for the embedding model)
+    ctx = args.input_len + (0 if embed else args.output_len) + 64
     if name.startswith("xlaserve"):
         # Default flags: what a new user runs (--xlaserve-args adds any; "xlaserve-avx2":
         # --cpu-kernels avx2).
         kernels = ["--cpu-kernels", name.split("-", 1)[1]] if "-" in name else []
-        return [sys.executable, "-m", "server", "--port", str(port), *kernels,
+        model = ["--model", EMBED_MODEL] if embed else []
+        return [sys.executable, "-m", "server", *model, "--port", str(port), *kernels,
                 *args.xlaserve_args.split()], "/health"
     if name == "llama-cpp-server":
         # -c is shared by the -np slots: each gets c / np, rounded up to a multiple of 256 by
         # llama.cpp, and a request stops short (no context shift) once its slot is full.
         per_slot = -(-ctx // 256) * 256
         total = args.llama_ctx or args.llama_parallel * per_slot
-        return [args.llama_cpp_server, "-m", gguf, "--alias", SERVED_NAME,
+        # --embedding serves /v1/embeddings alone; its default --embd-normalize 2 is the
+        # model's own L2 normalisation. Batches stay at the default 512 tokens (-ub; the
+        # server caps -b to it for embeddings), as xlaserve's --max-num-batched-tokens.
+        task = ["--embedding", "--pooling", "mean"] if embed else []
+        return [args.llama_cpp_server, "-m", gguf, "--alias", served_model(args),
                 "--host", "127.0.0.1", "--port", str(port), "-t", str(args.llama_threads),
-                "-np", str(args.llama_parallel), "-c", str(total),
+                "-np", str(args.llama_parallel), "-c", str(total), *task,
                 *llama_cpp_workarounds(), *args.llama_args.split()], "/health"
     if name == "llama-cpp-python":
         threads = str(args.llama_threads)
@@ -115,12 +143,42 @@ def llama_cpp_workarounds(cpuinfo: str | None = None) -> list[str]:
     return ["--no-repack"] if " amx_int8" in cpuinfo else []
 
 
+def llama_cpp_source(server: str) -> Path:
+    """The llama.cpp tree scripts/build_llama_cpp.sh built `server` from: OUT/build-V/bin/
+    llama-server lies beside OUT/llama_cpp_python-V/vendor/llama.cpp."""
+    build = Path(server).resolve().parents[1]
+    version = build.name.removeprefix("build-")
+    return build.parent / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+
+
+def convert_command(source: Path, model_dir: Path, out: Path) -> list[str]:
+    return [sys.executable, str(source / "convert_hf_to_gguf.py"), str(model_dir),
+            "--outtype", "f32", "--outfile", str(out)]
+
+
+def embedding_gguf(model_dir: Path, source: Path) -> Path:
+    """The embedding model as a float32 GGUF file, converted once into the user cache by the
+    llama.cpp tree's own converter (it needs torch, transformers and numpy)."""
+    target = cache_dir() / f"{model_dir.name}.f32.gguf"
+    if target.is_file():
+        return target
+    if not (source / "convert_hf_to_gguf.py").is_file():
+        raise SystemExit(f"no convert_hf_to_gguf.py in {source}: name the llama.cpp tree "
+                         "with --llama-cpp-source")
+    partial = target.with_name(target.name + ".part")
+    subprocess.run(convert_command(source, model_dir, partial), check=True)
+    partial.chmod(0o600)  # private, as everything xlaserve keeps in the user cache
+    partial.rename(target)  # whole: a later run takes it as it is
+    return target
+
+
 def bench(url: str, label: str, concurrency: int, args, out: Path) -> dict:
     path = out / f"{label}-c{concurrency}.json"
+    task = (["--task", "embed"] if args.task == "embed" else
+            ["--output-len", str(args.output_len), "--ignore-eos", "--text-prompts"])
     cmd = [sys.executable, "-m", "engine.bench", "serve", "--base-url", url, "--model",
-           SERVED_NAME, "--num-prompts", str(args.num_prompts), "--input-len",
-           str(args.input_len), "--output-len", str(args.output_len), "--ignore-eos",
-           "--text-prompts", "--max-concurrency", str(concurrency), "--no-ceilings",
+           served_model(args), "--num-prompts", str(args.num_prompts), "--input-len",
+           str(args.input_len), *task, "--max-concurrency", str(concurrency), "--no-ceilings",
            # new prompts at each level, so no run is served from an earlier run's prefix cache
            "--seed", str(concurrency),
            "--label", f"{label} c={concurrency}", "--output", str(path)]
@@ -136,9 +194,13 @@ def wrong_lengths(run: dict) -> int:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--task", choices=("generate", "embed"), default="generate",
+                   help=f"embed: /v1/embeddings of {EMBED_MODEL} (xlaserve and llama-server)")
     p.add_argument("--out", type=Path, default=Path("bench-results"))
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--concurrency", type=int, nargs="+", default=None,
+                   help="requests in flight, one run each (default: 1 8 64; embed: 1 64)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests a run (default: 64; embed: 256, a text being quick)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--servers", type=lambda s: s.split(","),
@@ -151,6 +213,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llama-cpp-server", metavar="PATH",
                    help="llama.cpp's llama-server binary (scripts/build_llama_cpp.sh): "
                         "benchmark it on the same GGUF file too")
+    p.add_argument("--llama-cpp-source", metavar="DIR", type=Path,
+                   help="--task embed: the llama.cpp tree whose convert_hf_to_gguf.py makes "
+                        "the GGUF file (default: the one --llama-cpp-server was built from)")
     p.add_argument("--llama-cpp-python", metavar="PYTHON",
                    help="a Python with llama-cpp-python[server] installed: benchmark its server "
                         "on the same GGUF file too")
@@ -165,6 +230,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra flags for llama-server, e.g. '--poll 0' on a machine whose "
                         "cores are busy with other work")
     args = p.parse_args(argv)
+    embed = args.task == "embed"
+    if args.concurrency is None:
+        args.concurrency = [1, 64] if embed else [1, 8, 64]
+    if args.num_prompts is None:
+        args.num_prompts = 256 if embed else 64
     paths = {"llama-cpp-server": args.llama_cpp_server, "llama-cpp-python": args.llama_cpp_python}
     if args.servers is None:
         args.servers = ["xlaserve", *(name for name, path in paths.items() if path)]
@@ -178,13 +248,58 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"unknown server {name!r} in --servers; known: {', '.join(SERVERS)}")
         if name in paths and not paths[name]:
             p.error(f"--servers {name} needs --{name} PATH")
+        if embed and name == "llama-cpp-python":
+            p.error("--task embed measures xlaserve and llama-cpp-server")
     return args
+
+
+def model_file(args) -> str:
+    """What the llama.cpp servers load: the default model's GGUF file, or (embed) the
+    embedding model converted; xlaserve names its model itself."""
+    if args.task != "embed":
+        return str(fetch_default_model())
+    model_dir = fetch_model(EMBED_MODEL)
+    if "llama-cpp-server" not in args.servers:
+        return ""
+    source = args.llama_cpp_source or llama_cpp_source(args.llama_cpp_server)
+    return str(embedding_gguf(model_dir, source))
+
+
+GENERATE_KEYS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+                 "p99_tpot_ms", "median_itl_ms", "median_e2el_ms", "total_output_tokens")
+EMBED_KEYS = ("request_throughput", "total_token_throughput", "mean_e2el_ms",
+              "median_e2el_ms", "p99_e2el_ms", "embedding_dims")
+
+
+def run_summary(run: dict, args) -> dict:
+    keys = EMBED_KEYS if args.task == "embed" else GENERATE_KEYS
+    out = {k: run[k] for k in ("label", "completed", "failed", "duration_s",
+                               "total_input_tokens", *keys, "host", "cpu_count")}
+    return out if args.task == "embed" else out | {"wrong_length": wrong_lengths(run)}
+
+
+def print_runs(runs: list[dict], args) -> None:
+    if args.task == "embed":
+        print("\n| server | concurrency | texts/s | prompt tok/s | mean ms | median ms | p99 ms "
+              "| failed |\n|---|---|---|---|---|---|---|---|")
+        for r in runs:
+            name, c = r["label"].rsplit(" c=", 1)
+            print(f"| {name} | {c} | {r['request_throughput']:.1f} | "
+                  f"{r['total_token_throughput']:.0f} | {r['mean_e2el_ms']:.1f} | "
+                  f"{r['median_e2el_ms']:.1f} | {r['p99_e2el_ms']:.1f} | {r['failed']} |")
+        return
+    print("\n| server | concurrency | output tok/s | median TTFT ms | median TPOT ms | failed | "
+          f"not {args.output_len} tokens |\n|---|---|---|---|---|---|---|")
+    for r in runs:
+        name, c = r["label"].rsplit(" c=", 1)
+        print(f"| {name} | {c} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} | "
+              f"{r['median_tpot_ms']:.1f} | {r['failed']} | {r['wrong_length']} |")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    gguf = str(fetch_default_model())
+    gguf = model_file(args)
     ceilings = measure_ceilings("float32", 64, 576, 1536)
     results, servers = [], {}
     for name in args.servers:
@@ -198,24 +313,15 @@ def main(argv=None) -> int:
     again = measure_ceilings("float32", 64, 576, 1536)
     for key in ("matmul_flops_per_s", "copy_bytes_per_s"):
         ceilings[key] = max(ceilings[key], again[key])
-    summary = {"ceilings": ceilings, "servers": servers, "runs": [
-        {**{k: r[k] for k in ("label", "completed", "failed", "duration_s", "output_throughput",
-                              "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-                              "median_itl_ms", "median_e2el_ms", "total_input_tokens",
-                              "total_output_tokens", "host", "cpu_count")},
-         "wrong_length": wrong_lengths(r)} for r in results]}
+    summary = {"task": args.task, "ceilings": ceilings, "servers": servers,
+               "runs": [run_summary(r, args) for r in results]}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"\nceilings: matmul {ceilings['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s (float32 "
           f"64x576x1536), copy {ceilings['copy_bytes_per_s'] / 1e9:.1f} GB/s")
     print("| server | ready after s | RSS when ready MiB |\n|---|---|---|")
     for name, s in servers.items():
         print(f"| {name} | {s['ready_after_s']:.1f} | {s['rss_mib']:.0f} |")
-    print("\n| server | concurrency | output tok/s | median TTFT ms | median TPOT ms | failed | "
-          f"not {args.output_len} tokens |\n|---|---|---|---|---|---|---|")
-    for r in summary["runs"]:
-        name, c = r["label"].rsplit(" c=", 1)
-        print(f"| {name} | {c} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} | "
-              f"{r['median_tpot_ms']:.1f} | {r['failed']} | {r['wrong_length']} |")
+    print_runs(summary["runs"], args)
     return 0
 
 

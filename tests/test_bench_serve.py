@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -33,6 +35,7 @@ class FakeServer:
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
         self.fail_id: int | None = None
+        self.fail_word = self.empty_word = None  # embeddings: inputs that fail
         self.fail_in_stream = False
         self.usage = True  # False: a server that never reports usage
         self.merge_last = False  # send the last two tokens as one chunk, as detokenizers may
@@ -40,6 +43,7 @@ class FakeServer:
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/metrics", self.metrics),
             Route("/tokenize", self.tokenize, methods=["POST"])])
 
@@ -69,13 +73,40 @@ class FakeServer:
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
+    async def embeddings(self, request: Request):
+        """One 8-float vector per input after 5 ms; usage counts a token per word plus two
+        ([CLS], [SEP]). An input holding the word `fail_word` gets an HTTP 400, and one holding
+        `empty_word` a 200 without a vector."""
+        body = await request.json()
+        self.bodies.append(body)
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            await asyncio.sleep(0.005)
+        finally:
+            self.active -= 1
+        words = body["input"].split()
+        if self.fail_word in words:
+            return JSONResponse({"error": {"message": "marker word in input", "code": 400}},
+                                status_code=400)
+        vector = [0.125 * i for i in range(8)]
+        if body.get("encoding_format") == "base64":
+            vector = base64.b64encode(struct.pack("<8f", *vector)).decode()
+        data = [] if self.empty_word in words else [
+            {"object": "embedding", "index": 0, "embedding": vector}]
+        usage = {"prompt_tokens": len(words) + 2, "total_tokens": len(words) + 2}
+        return JSONResponse({"object": "list", "model": body["model"], "data": data,
+                             "usage": usage})
+
     async def tokenize(self, request: Request):
         words = (await request.json())["prompt"].split()  # one token per word
         return JSONResponse({"count": len(words), "tokens": list(range(len(words)))})
 
-    def reset(self, fail_id=None, merge_last=False, fail_in_stream=False, usage=True):
+    def reset(self, fail_id=None, merge_last=False, fail_in_stream=False, usage=True,
+              fail_word=None, empty_word=None):
         self.active = self.max_active = 0
         self.arrivals, self.bodies, self.headers, self.fail_id = [], [], [], fail_id
+        self.fail_word, self.empty_word = fail_word, empty_word
         self.fail_in_stream, self.usage = fail_in_stream, usage
         self.merge_last = merge_last
 
@@ -243,7 +274,8 @@ def test_help_and_no_jax_at_import():
     cmd = [sys.executable, "-m", "engine.bench", "serve", "--help"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--max-concurrency" in proc.stdout
-    probe = "import sys, engine.bench.serve; assert 'jax' not in sys.modules"
+    probe = ("import sys, engine.bench.serve, engine.bench.serve_embed; "
+             "assert 'jax' not in sys.modules")
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, timeout=60)
     assert proc.returncode == 0
 
@@ -265,3 +297,79 @@ def test_a_dataset_of_conversations_and_the_servers_drafting(fake, tmp_path):
     assert res["spec_mean_accepted_length"] == pytest.approx(3.0)
     rc, res, _ = run_bench(fake, tmp_path)  # completions: no drafting reported
     assert "spec_num_drafts" not in res
+
+
+def test_a_datasets_text_lines_are_completions_prompts(fake, tmp_path):
+    data = tmp_path / "texts.jsonl"
+    data.write_text(json.dumps({"text": "hello there"}) + "\n")
+    rc, res, _ = run_bench(fake, tmp_path, "--dataset", str(data))
+    assert rc == 0 and res["completed"] == 8 and res["total_output_tokens"] == 8 * 6
+    assert all(b["prompt"] == "hello there" for b in fake.bodies)  # to /v1/completions
+
+
+def test_embeddings_one_text_a_request_texts_and_tokens_a_second(fake, tmp_path, capsys):
+    rc, res, args = run_bench(fake, tmp_path, "--task", "embed", "--num-warmups", "2",
+                              "--max-concurrency", "3")
+    assert rc == 0 and res["completed"] == 8 and res["failed"] == 0
+    assert len(fake.bodies) == 10 and fake.max_active == 3  # 2 warmups, not counted
+    body = fake.bodies[-1]
+    assert set(body) == {"model", "input", "encoding_format"}
+    assert body["model"] == "fake" and body["encoding_format"] == "float"
+    assert len(body["input"].split()) == 16  # --input-len common words, one text
+    assert all(w in bench_serve.WORDS for w in body["input"].split())
+    assert res["task"] == "embed" and res["endpoint"] == "/v1/embeddings"
+    assert res["embedding_dims"] == [8]
+    assert res["input_lens"] == [18] * 8 and res["total_input_tokens"] == 8 * 18  # usage
+    assert res["request_throughput"] == pytest.approx(8 / res["duration_s"])
+    assert res["total_token_throughput"] == pytest.approx(8 * 18 / res["duration_s"])
+    assert 5 <= res["median_e2el_ms"] <= res["p99_e2el_ms"]  # the server's 5 ms and more
+    assert res["mean_e2el_ms"] == pytest.approx(1000 * sum(res["e2els"]) / 8)
+    out = capsys.readouterr().out
+    assert "Embedding Benchmark Result" in out and "Mean E2EL (ms):" in out
+    # measured texts differ from the warmups' (no cache serves them)
+    assert not {b["input"] for b in fake.bodies[:2]} & {b["input"] for b in fake.bodies[2:]}
+
+
+def test_embeddings_base64_vectors_are_decoded(fake, tmp_path):
+    rc, res, _ = run_bench(fake, tmp_path, "--task", "embed", "--encoding-format", "base64")
+    assert rc == 0 and fake.bodies[-1]["encoding_format"] == "base64"
+    assert res["embedding_dims"] == [8]  # 32 bytes of float32
+
+
+@pytest.mark.parametrize("failure", ["fail_word", "empty_word"])
+def test_embeddings_failures_counted_and_exit_code(fake, tmp_path, capsys, failure):
+    args = bench_serve.parse_args(["--base-url", "x", "--model", "m", "--num-prompts", "8",
+                                   "--input-len", "16", "--task", "embed"])
+    texts = [r.prompt.split() for r in bench_serve.sample_requests(args, 8, args.seed)]
+    marker = next(w for w in texts[3] if w not in texts[0])
+    n_bad = sum(marker in t for t in texts)
+    rc, res, _ = run_bench(fake, tmp_path, "--task", "embed", "--num-warmups", "0",
+                           **{failure: marker})
+    assert rc == 1 and res["failed"] == n_bad and res["completed"] == 8 - n_bad
+    assert res["total_input_tokens"] == (8 - n_bad) * 18
+    err = capsys.readouterr().err
+    assert ("HTTP 400" in err) if failure == "fail_word" else ("one vector expected" in err)
+
+
+def test_embeddings_of_a_datasets_texts_and_conversations(fake, tmp_path):
+    data = tmp_path / "texts.jsonl"
+    lines = [{"text": "alpha beta"},
+             {"messages": [{"role": "user", "content": "one two"},
+                           {"role": "assistant", "content": "three"}]}]
+    data.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    rc, res, _ = run_bench(fake, tmp_path, "--task", "embed", "--dataset", str(data))
+    assert rc == 0 and res["completed"] == 8
+    assert {b["input"] for b in fake.bodies} == {"alpha beta", "one two\nthree"}
+    assert sorted(set(res["input_lens"])) == [4, 5]
+
+
+def test_embeddings_endpoint_and_plot_flags(capsys):
+    args = bench_serve.parse_args(["--base-url", "x", "--model", "m", "--task", "embed",
+                                   "--endpoint", "/embeddings"])
+    assert args.endpoint == "/embeddings"
+    assert bench_serve.parse_args(["--base-url", "x", "--model", "m"]).endpoint \
+        == "/v1/completions"
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--base-url", "x", "--model", "m", "--task", "embed",
+                                "--plot", "x.png"])
+    assert "--plot" in capsys.readouterr().err

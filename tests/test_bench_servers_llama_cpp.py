@@ -88,3 +88,73 @@ def test_llama_server_keeps_q4_1_weights_out_of_ggml_amx_buffers_on_amx_cpus():
     assert bench_servers.llama_cpp_workarounds("flags : avx2 amx_bf16 amx_int8 amx_tile") \
         == ["--no-repack"]
     assert bench_servers.llama_cpp_workarounds("flags : avx2 avx512f fma") == []
+
+
+def test_embed_runs_xlaserve_and_llama_server_embedding_at_1_and_64():
+    args = bench_servers.parse_args(["--task", "embed", "--llama-cpp-server", "/bin/llama-server",
+                                     "--llama-threads", "2"])
+    assert args.servers == ["xlaserve", "llama-cpp-server"]
+    assert args.concurrency == [1, 64] and args.num_prompts == 256
+    cmd, ready = bench_servers.server_command("llama-cpp-server", args, "/m.f32.gguf", 1234)
+    flag = lambda name: cmd[cmd.index(name) + 1]
+    assert ready == "/health" and flag("-m") == "/m.f32.gguf"
+    assert "--embedding" in cmd and flag("--pooling") == "mean"
+    assert flag("--alias") == "all-MiniLM-L6-v2"
+    # one slot per concurrent request, each holding a 128-word text and its [CLS], [SEP]
+    assert flag("-np") == "64" and int(flag("-c")) // 64 >= 128 + 2
+    ours, _ = bench_servers.server_command("xlaserve", args, "", 1)
+    assert ours[1:] == ["-m", "server", "--model", "all-minilm-l6-v2", "--port", "1"]
+    generate = bench_servers.parse_args([])
+    assert generate.concurrency == [1, 8, 64] and generate.num_prompts == 64
+    assert "--embedding" not in bench_servers.server_command(
+        "llama-cpp-server", bench_servers.parse_args(["--llama-cpp-server", "/x"]), "/m", 1)[0]
+
+
+def test_embed_does_not_measure_llama_cpp_python(capsys):
+    with pytest.raises(SystemExit):
+        bench_servers.parse_args(["--task", "embed", "--llama-cpp-python", "/bin/python"])
+    assert "llama-cpp-python" in capsys.readouterr().err
+
+
+def test_the_converter_comes_from_the_tree_the_server_was_built_from(tmp_path):
+    server = tmp_path / "build-0.3.36" / "bin" / "llama-server"
+    source = bench_servers.llama_cpp_source(str(server))
+    assert source == tmp_path / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    cmd = bench_servers.convert_command(source, Path("/models/m"), Path("/out.gguf"))
+    assert cmd[1] == str(source / "convert_hf_to_gguf.py") and cmd[2] == "/models/m"
+    assert cmd[cmd.index("--outtype") + 1] == "f32"  # float32, as xlaserve computes
+    assert cmd[cmd.index("--outfile") + 1] == "/out.gguf"
+
+
+def test_the_embedding_model_is_converted_once(tmp_path, monkeypatch):
+    source = tmp_path / "llama.cpp"
+    source.mkdir()
+    (source / "convert_hf_to_gguf.py").write_text("")
+    calls = []
+
+    def convert(cmd, check):
+        calls.append(cmd)
+        Path(cmd[cmd.index("--outfile") + 1]).write_bytes(b"GGUF")
+
+    monkeypatch.setattr(bench_servers, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(bench_servers.subprocess, "run", convert)
+    first = bench_servers.embedding_gguf(tmp_path / "all-MiniLM-L6-v2", source)
+    again = bench_servers.embedding_gguf(tmp_path / "all-MiniLM-L6-v2", source)
+    assert first == again == tmp_path / "all-MiniLM-L6-v2.f32.gguf"
+    assert first.read_bytes() == b"GGUF" and len(calls) == 1
+    first.unlink()
+    with pytest.raises(SystemExit, match="--llama-cpp-source"):  # no converter there
+        bench_servers.embedding_gguf(tmp_path / "all-MiniLM-L6-v2", tmp_path / "nowhere")
+
+
+def test_embed_table_reports_texts_and_tokens_a_second(capsys):
+    args = bench_servers.parse_args(["--task", "embed"])
+    run = {"label": "xlaserve c=64", "completed": 256, "failed": 0, "duration_s": 4.0,
+           "total_input_tokens": 256 * 130, "request_throughput": 64.0,
+           "total_token_throughput": 64.0 * 130, "mean_e2el_ms": 900.0,
+           "median_e2el_ms": 880.0, "p99_e2el_ms": 1500.0, "embedding_dims": [384],
+           "host": "x86_64", "cpu_count": 2, "output_lens": []}
+    summary = bench_servers.run_summary(run, args)
+    assert "output_lens" not in summary and "wrong_length" not in summary
+    bench_servers.print_runs([summary], args)
+    assert "| xlaserve | 64 | 64.0 | 8320 | 900.0 | 880.0 | 1500.0 | 0 |" in capsys.readouterr().out

@@ -11,9 +11,11 @@ all requests pooled), E2EL (send -> last text chunk), and request and token thro
 over the benchmark duration (first send -> last completion).
 
 `--dataset FILE` sends conversations from a JSON-lines file (`{"messages": [...]}` a line,
-e.g. tests/data/grounded_prompts.jsonl) to /v1/chat/completions instead. When the server
-counts speculative decoding in `/metrics` (xlaserve's or vLLM's `spec_decode_*` counters),
-the run reports what it drafted: acceptance rate and mean accepted length.
+e.g. tests/data/grounded_prompts.jsonl) to /v1/chat/completions instead (a `{"text": ...}`
+line goes to --endpoint as a text prompt). When the server counts speculative decoding in
+`/metrics` (xlaserve's or vLLM's `spec_decode_*` counters), the run reports what it drafted:
+acceptance rate and mean accepted length. `--task embed` sends one text per request to
+/v1/embeddings and measures texts and prompt tokens a second (engine/bench/serve_embed.py).
 This module imports no jax: only the optional machine ceilings (engine.bench.ceilings) do, lazily.
 """
 
@@ -86,13 +88,16 @@ WORDS = (
 
 def sample_requests(args, n: int, seed: int, prompt_len: int | None = None) -> list[Request]:
     """Lengths uniform in [len*(1-r), len]; token ids from [100, 10000), clear of special ids.
-    With --prompt, every request sends that text (prompt_len: its length, when known)."""
+    With --prompt, every request sends that text (prompt_len: its length, when known).
+    Embeddings always take text: a vocabulary's ids differ between models and servers add
+    their special tokens ([CLS], [SEP]) to text only."""
     rng = random.Random(seed)
     if args.dataset:
         with open(args.dataset) as f:
-            convs = [json.loads(line)["messages"] for line in f if line.strip()]
-        first = rng.randrange(len(convs))  # warmups start elsewhere than measured requests
-        return [Request(convs[(first + i) % len(convs)], None, args.output_len)
+            lines = [json.loads(line) for line in f if line.strip()]
+        prompts = [line["messages"] if "messages" in line else line["text"] for line in lines]
+        first = rng.randrange(len(prompts))  # warmups start elsewhere than measured requests
+        return [Request(prompts[(first + i) % len(prompts)], None, args.output_len)
                 for i in range(n)]
     lo_in = max(1, int(args.input_len * (1 - args.range_ratio)))
     lo_out = max(1, int(args.output_len * (1 - args.range_ratio)))
@@ -101,7 +106,7 @@ def sample_requests(args, n: int, seed: int, prompt_len: int | None = None) -> l
         n_in, n_out = rng.randint(lo_in, args.input_len), rng.randint(lo_out, args.output_len)
         if args.prompt is not None:
             reqs.append(Request(args.prompt, prompt_len, n_out))
-        elif args.text_prompts:  # length from the server's usage (else about n_in)
+        elif args.text_prompts or args.task == "embed":  # length from the server's usage
             text = " ".join(rng.choice(WORDS) for _ in range(n_in))
             reqs.append(Request(text, None, n_out))
         else:
@@ -186,8 +191,20 @@ async def tokenize_count(client: httpx.AsyncClient, args, text: str) -> int:
     return body["count"] if "count" in body else len(body["tokens"])
 
 
+def task_client(task: str):
+    """How a task's requests are sent, summarised and printed: completions and chat here,
+    embeddings in serve_embed."""
+    if task == "embed":
+        from engine.bench import serve_embed  # it imports this module, so not at the top
+
+        return (serve_embed.send_embedding, serve_embed.summarize_embeddings,
+                serve_embed.print_embedding_table)
+    return send, summarize, print_table
+
+
 async def benchmark(args) -> dict:
     """Warm up, then send the measured requests on schedule; returns the metrics."""
+    send_one, summarize_run, _ = task_client(args.task)
     # The pool never makes a request wait: only the semaphore bounds what is in flight.
     pool = args.num_prompts + args.num_warmups
     limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
@@ -202,7 +219,7 @@ async def benchmark(args) -> dict:
         async def one(req: Request, send_at: float) -> Result:
             await asyncio.sleep(max(0.0, send_at - time.perf_counter()))
             async with sem:
-                return await send(client, args, req)
+                return await send_one(client, args, req)
 
         # Warmups use their own prompts so no measured prompt hits a warm prefix cache.
         warmups = sample_requests(args, args.num_warmups, args.seed + 1, prompt_len)
@@ -216,10 +233,10 @@ async def benchmark(args) -> dict:
                                          for r, o in zip(requests, offsets, strict=True)))
         duration = time.perf_counter() - t0
         spec = spec_summary(spec_before, await spec_counters(client, args))
-    return summarize(args, requests, results, duration) | spec
+    return summarize_run(args, requests, results, duration) | spec
 
 
-def _stats(name: str, values_s: list[float]) -> dict:
+def latency_stats(name: str, values_s: list[float]) -> dict:
     ms = np.asarray(values_s or [0.0]) * 1000  # vLLM reports 0 for an empty set
     return {f"mean_{name}_ms": float(np.mean(ms)), f"median_{name}_ms": float(np.median(ms)),
             f"std_{name}_ms": float(np.std(ms)), f"p99_{name}_ms": float(np.percentile(ms, 99))}
@@ -238,11 +255,11 @@ def summarize(args, requests: list[Request], results: list[Result], duration: fl
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
-        **_stats("ttft", [r.ttft for r in ok]),
-        **_stats("tpot", [(r.e2el - r.ttft) / (r.output_len - 1) for r in ok
-                          if r.output_len > 1]),
-        **_stats("itl", [gap for r in ok for gap in r.itl]),
-        **_stats("e2el", [r.e2el for r in ok]),
+        **latency_stats("ttft", [r.ttft for r in ok]),
+        **latency_stats("tpot", [(r.e2el - r.ttft) / (r.output_len - 1) for r in ok
+                                 if r.output_len > 1]),
+        **latency_stats("itl", [gap for r in ok for gap in r.itl]),
+        **latency_stats("e2el", [r.e2el for r in ok]),
         # Per request, in send order (failed requests: 0 / empty), as vLLM's --save-result.
         "requested_output_lens": [q.output_len for q in requests],
         "input_lens": [r.prompt_len for r in results],
@@ -305,8 +322,13 @@ def parse_args(argv) -> argparse.Namespace:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="the `model` field sent with each request")
-    p.add_argument("--endpoint", default="/v1/completions",
-                   help="a completions-style path: `prompt` in, streamed choices[].text out")
+    p.add_argument("--task", choices=("generate", "embed"), default="generate",
+                   help="embed: one text per request to an embeddings endpoint, measured in "
+                        "texts and prompt tokens a second (engine/bench/serve_embed.py)")
+    p.add_argument("--endpoint", default=None,
+                   help="a completions-style path: `prompt` in, streamed choices[].text out "
+                        "(default /v1/completions); with --task embed, an embeddings path "
+                        "(default /v1/embeddings)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="sent as a Bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -334,10 +356,13 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--dataset", default=None,
                    help="conversations from a JSON-lines file ({'messages': [...]} a line), "
                         "sent to /v1/chat/completions with --output-len tokens each, e.g. "
-                        "tests/data/grounded_prompts.jsonl")
+                        "tests/data/grounded_prompts.jsonl; a {'text': ...} line is sent to "
+                        "--endpoint as a text prompt (--task embed: each is one text)")
     p.add_argument("--tokenizer-endpoint", action="store_true",
                    help="with --prompt: count its tokens with the server's /tokenize, for "
                         "servers that report no usage.prompt_tokens")
+    p.add_argument("--encoding-format", choices=("float", "base64"), default="float",
+                   help="--task embed: how the server encodes each vector in its response")
     p.add_argument("--output", help="write the results as JSON")
     p.add_argument("--plot", help="write histograms and CDFs of TTFT/TPOT/ITL/E2EL to a PNG")
     p.add_argument("--label", default=None, help="name of this run in the JSON and plot "
@@ -347,7 +372,13 @@ def parse_args(argv) -> argparse.Namespace:
                         "(needs jax; meaningful only when the server runs on this machine)")
     p.add_argument("--ceiling-shape", default="64,576,1536", help="M,K,N of the ceiling matmul")
     p.add_argument("--ceiling-dtype", default="float32")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.endpoint is None:
+        args.endpoint = "/v1/embeddings" if args.task == "embed" else "/v1/completions"
+    if args.task == "embed" and args.plot:
+        p.error("--plot draws the generation latencies (TTFT, TPOT, ITL); --task embed has "
+                "E2EL alone, in the printed table and --output")
+    return args
 
 
 def main(argv=None) -> int:
@@ -363,7 +394,8 @@ def main(argv=None) -> int:
         res |= measure_best_ceilings(args, before=ceilings)
     res |= {"host": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
             "args": vars(args) | {"api_key": "<set>" if args.api_key else None}}
-    print_table(res)
+    _, _, print_results = task_client(args.task)
+    print_results(res)
     if args.output:
         inf_as_str = lambda d: {k: "inf" if v == float("inf") else v for k, v in d.items()}
         with open(args.output, "w") as f:  # strict JSON, as vLLM writes it: "inf", not Infinity
