@@ -2,9 +2,11 @@
 /v1/embeddings.
 
 A request brings one or more inputs, each a list of token ids, and each input is a row. The
-engine thread takes waiting rows in arrival order into one batch while they fit one bucket of
-the runner's table (`embed_buckets`: rows x padded length within the token budget), pads them
-to that bucket, runs it, and hands a request its vectors when its last row is done. A client
+engine thread takes waiting rows in arrival order into one batch while their tokens fit the
+token budget (and the rows `max_num_seqs`), packs them one after another into one token axis
+(as a decoder's ragged step packs its sequences: no row is padded to the longest), pads that
+to the smallest bucket of the runner's table (`embed_buckets`), runs it, and hands a request
+its vectors when its last row is done. A client
 that leaves drops its rows that have not run. Like `AsyncEngine`: a bounded waiting queue
 (EngineOverloaded), and a runner that fails is rebuilt while its requests end with
 EngineDeadError.
@@ -27,30 +29,36 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.async_engine import EngineDeadError, EngineOverloaded, EngineStats
-from engine.config import EngineConfig, _pow2_upto
+from engine.config import EngineConfig
 from engine.scheduler import RequestRejected
 
 logger = logging.getLogger(__name__)
 
-MIN_LENGTH_BUCKET = 16  # shorter inputs pad to 16 tokens: fewer executables, little padding
+# The token buckets: multiples of 16 up to 128, then eight a doubling (a batch pads by at
+# most 1/8 of its tokens), up to the token budget (or the model's length, if longer: a long
+# input always runs alone).
+MIN_TOKENS = 16
+STEPS_PER_DOUBLING = 8
 
 
 def embed_buckets(max_num_seqs: int, max_num_batched_tokens: int,
                   max_model_len: int) -> tuple[tuple[int, int], ...]:
-    """The (rows, length) buckets warmup compiles and batches pad to: lengths by powers of two
-    up to `max_model_len`, and for each, rows by powers of two while rows x length stays
-    within `max_num_batched_tokens` (one row at every length, so a long input always runs)."""
-    out = []
-    for length in _pow2_upto(min(MIN_LENGTH_BUCKET, max_model_len), max_model_len):
-        most = max(1, min(max_num_seqs, max_num_batched_tokens // length))
-        out += [(rows, length) for rows in _pow2_upto(1, most)]
-    return tuple(out)
+    """The (tokens, rows) buckets warmup compiles and batches pad to: token counts from 16 up
+    to the budget, each with room for min(tokens, max_num_seqs) rows."""
+    top = max(max_num_batched_tokens, max_model_len)
+    sizes, t = [], MIN_TOKENS
+    while True:
+        sizes.append(min(t, top))
+        if t >= top:
+            break
+        octave = 1 << (t.bit_length() - 1)  # the power of two at or below t
+        t += max(MIN_TOKENS, octave // STEPS_PER_DOUBLING)
+    return tuple((t, min(t, max_num_seqs)) for t in sizes)
 
 
-def bucket_for(buckets, rows: int, length: int) -> tuple[int, int] | None:
-    """The smallest bucket holding `rows` rows of `length` tokens (None if none does)."""
-    fits = [b for b in buckets if b[0] >= rows and b[1] >= length]
-    return min(fits, key=lambda b: (b[0] * b[1], b[1])) if fits else None
+def bucket_for(buckets, rows: int, tokens: int) -> tuple[int, int] | None:
+    """The smallest bucket holding `rows` rows of `tokens` tokens in all (None if none)."""
+    return next((b for b in buckets if b[0] >= tokens and b[1] >= rows), None)
 
 
 @dataclasses.dataclass(eq=False)
@@ -211,29 +219,29 @@ class EmbeddingEngine:
             return
 
     def _take(self) -> list[tuple[_Request, int]]:
-        """The waiting rows of the next step, in arrival order, as many as one bucket holds."""
-        batch, longest = [], 0
+        """The waiting rows of the next step, in arrival order, as many as fit the token
+        budget and the row cap (one row at least, however long)."""
+        batch, used = [], 0
+        budget, cap = self.config.max_num_batched_tokens, self.config.max_num_seqs
         while self._rows:
             request, i = self._rows[0]
             if request.cancelled:
                 self._rows.popleft()
                 continue
-            length = max(longest, len(request.inputs[i]))
-            if batch and bucket_for(self.runner.buckets, len(batch) + 1, length) is None:
+            n = len(request.inputs[i])
+            if batch and (used + n > budget or len(batch) == cap):
                 break
             batch.append(self._rows.popleft())
-            longest = length
+            used += n
         return batch
 
     def _run(self, batch: list[tuple[_Request, int]]) -> None:
-        rows, length = bucket_for(self.runner.buckets, len(batch),
-                                  max(len(r.inputs[i]) for r, i in batch))
-        tokens = np.zeros((rows, length), np.int32)
+        ids = [request.inputs[i] for request, i in batch]
+        size, rows = bucket_for(self.runner.buckets, len(ids), sum(map(len, ids)))
+        tokens = np.zeros(size, np.int32)  # [T]: the rows one after another, then padding
+        tokens[:sum(map(len, ids))] = np.concatenate(ids)
         lengths = np.zeros(rows, np.int32)
-        for row, (request, i) in enumerate(batch):
-            ids = request.inputs[i]
-            tokens[row, :len(ids)] = ids
-            lengths[row] = len(ids)
+        lengths[:len(ids)] = [len(row) for row in ids]
         self._running = len(batch)
         try:
             vectors = self.runner.run(tokens, lengths)

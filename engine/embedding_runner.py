@@ -4,10 +4,11 @@ Two kinds of model pool: an encoder (models/bert.py: bidirectional, no KV cache)
 decoder under `--task embed`, whose final-normed hidden states are pooled (by default the
 last token's, normalised, as vLLM does). Either way one executable per (rows, length)
 bucket of `embed_buckets`, compiled (or loaded from the executable store) at warmup and run
-once there on padding; after warmup nothing compiles.
+once there on padding; after warmup nothing compiles. A batch's rows come packed one after
+another into one token axis.
 
 A decoder runs its ordinary paged body over a scratch KV pool made inside the executable
-(a page run per row, never kept): its rows packed one after another as one ragged prefill.
+(a page run per row, never kept): its rows as one ragged prefill.
 """
 
 from __future__ import annotations
@@ -50,36 +51,35 @@ def pooling_for(config: EngineConfig, files: PoolingConfig) -> PoolingConfig:
 
 def _decoder_embed(graphdef, params, tokens, lengths, *, block_size: int,
                    pooling: PoolingConfig):
-    """A decoder's pooled final hidden states: tokens int32 [B, L], lengths int32 [B]."""
+    """A decoder's pooled final hidden states: tokens int32 [T] (rows packed one after
+    another, padding after them), lengths int32 [S]."""
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
-    rows, length = tokens.shape
-    pages_per_row = -(-length // block_size)
-    starts = jnp.cumsum(lengths) - lengths  # [B] each row's first packed index
-    # Packed: row b's tokens at starts[b] ..; the rest (padding) after the last row's.
-    row = jnp.arange(rows * length, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(starts + lengths, row, side="right"), 0, rows - 1)
-    pos = row - starts[seq]
-    valid = row < jnp.sum(lengths)
-    flat = tokens[seq, jnp.clip(pos, 0, length - 1)]
-    page_tables = (1 + jnp.arange(rows * pages_per_row, dtype=jnp.int32)
-                   ).reshape(rows, pages_per_row)
-    slots = page_tables[seq, pos // block_size] * block_size + pos % block_size
+    size, rows = tokens.shape[0], lengths.shape[0]
+    pages_per_row = -(-min(size, cfg.max_position_embeddings) // block_size)
+    starts = jnp.cumsum(lengths) - lengths  # [S] each row's first packed index
+    at = jnp.arange(size, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(starts + lengths, at, side="right"), rows - 1)
+    pos = at - starts[seq]
+    valid = at < jnp.sum(lengths)
+    # Row b's pages follow one another from a page of its own, after the pages of the rows
+    # before it: the pool holds the step's tokens, not rows x the longest.
+    num_pages = 2 + size // block_size + rows
+    base = 1 + starts // block_size + jnp.arange(rows, dtype=jnp.int32)  # [S]
+    page_tables = jnp.minimum(base[:, None] + jnp.arange(pages_per_row, dtype=jnp.int32)[None],
+                              num_pages - 1)
+    slots = page_tables[seq, jnp.clip(pos // block_size, 0, pages_per_row - 1)] * block_size
     md = AttentionMetadata(
-        slot_mapping=jnp.where(valid, slots, 0).astype(jnp.int32),
+        slot_mapping=jnp.where(valid, slots + pos % block_size, 0).astype(jnp.int32),
         query_start_loc=jnp.concatenate([starts, jnp.sum(lengths, keepdims=True)]).astype(
             jnp.int32),
         kv_lens=lengths, page_tables=page_tables,
         positions=jnp.where(valid, pos, 0).astype(jnp.int32),
         token_seq=jnp.where(valid, seq, -1).astype(jnp.int32))
-    shape = (cfg.num_layers, 1 + rows * pages_per_row, block_size, cfg.num_kv_heads,
-             cfg.head_dim)
+    shape = (cfg.num_layers, num_pages, block_size, cfg.num_kv_heads, cfg.head_dim)
     kv = KVCache(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
-    hidden, _ = model.hidden_states(flat, md.positions, kv, md)  # [B * L, E], packed
-    # Back to [B, L, E] (positions past a row's length repeat its last token: pool masks them).
-    at = starts[:, None] + jnp.minimum(jnp.arange(length)[None, :],
-                                       jnp.maximum(lengths[:, None] - 1, 0))
-    return pool(hidden[at].astype(jnp.float32), lengths, pooling)
+    hidden, _ = model.hidden_states(tokens, md.positions, kv, md)  # [T, E]
+    return pool(hidden, lengths, pooling)
 
 
 def truncations(path: str, hidden_size: int) -> tuple[int, ...]:
@@ -139,7 +139,7 @@ class EmbeddingRunner:
         self.compilations_after_warmup = 0
         self.warm = False
         logger.info("%s: embeddings (%s pooling%s), %d dimensions, %.1f MiB of weights, "
-                    "max_model_len %d, loaded in %.2fs; executables: (rows, length) %s",
+                    "max_model_len %d, loaded in %.2fs; executables: (tokens, rows) %s",
                     config.name or config.model, self.pooling.mode,
                     ", normalised" if self.pooling.normalize else "", self.hidden_size,
                     self.weight_bytes / 2**20, self.max_model_len, time.perf_counter() - start,
@@ -152,15 +152,16 @@ class EmbeddingRunner:
         return self.tokenizer.encode(text)  # models.tokenizer.Tokenizer (BOS by its rules)
 
     def _compile(self, bucket: tuple[int, int]):
-        rows, length = bucket
-        stored = None if self.store is None else self.store.load((f"embed{length}", rows))
+        size, rows = bucket
+        key = (f"embed{rows}", size)
+        stored = None if self.store is None else self.store.load(key)
         if stored is not None:
             return stored
-        ids = jax.ShapeDtypeStruct((rows, length), jnp.int32)
+        ids = jax.ShapeDtypeStruct((size,), jnp.int32)
         lens = jax.ShapeDtypeStruct((rows,), jnp.int32)
         exe = jax.jit(self._fn).lower(self.params, ids, lens).compile()
         if self.store is not None:
-            self.store.save((f"embed{length}", rows), exe)
+            self.store.save(key, exe)
         return exe
 
     def warmup(self) -> float:
@@ -171,16 +172,17 @@ class EmbeddingRunner:
             for bucket, exe in zip(self.buckets, pool_.map(self._compile, self.buckets),
                                    strict=True):
                 self._executables[bucket] = exe
-        for rows, length in self.buckets:
-            self.run(np.zeros((rows, length), np.int32), np.ones(rows, np.int32))
+        for size, rows in self.buckets:
+            self.run(np.zeros(size, np.int32), np.ones(rows, np.int32))
         self.warm = True
         elapsed = time.perf_counter() - start
         logger.info("Dummy run completed in %.2fs (%d executables).", elapsed, len(self.buckets))
         return elapsed
 
     def run(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Pooled vectors, float32 [rows, hidden], of a batch padded to a bucket."""
-        bucket = tokens.shape
+        """Pooled vectors, float32 [S, hidden], of a bucket's batch: tokens [T] (the rows
+        packed one after another, padding after them), lengths [S]."""
+        bucket = (tokens.shape[0], lengths.shape[0])
         exe = self._executables.get(bucket)
         if exe is None:  # outside the table: a bug, counted (and compiled, so it answers)
             if self.warm:

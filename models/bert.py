@@ -2,10 +2,13 @@
 in, one pooled embedding per sequence out.
 
 Absolute position embeddings plus token type 0, a LayerNorm over the embeddings, then
-post-norm blocks (bidirectional self-attention with padded keys masked, exact erf GELU).
-No KV cache: each call encodes whole sequences. Plain functions over a params pytree; every
-parameter is described once in `param_specs`, and the loader checks each HF tensor's shape
-against it. Layers are stacked on a leading axis and run under `lax.scan`.
+post-norm blocks (bidirectional self-attention, exact erf GELU). No KV cache: each call
+encodes whole sequences, packed one after another into one token axis (as the decoders'
+ragged steps pack theirs), each token attending to its own sequence's tokens only, so a
+batch pays for its tokens and not for padding to its longest sequence. Plain functions over
+a params pytree; every parameter is described once in `param_specs`, and the loader checks
+each HF tensor's shape against it. Layers are stacked on a leading axis and run under
+`lax.scan`.
 """
 
 from __future__ import annotations
@@ -168,20 +171,20 @@ def _layer_norm(x, w, b, eps):
     return ((x32 - mean) * jax.lax.rsqrt(var + eps) * w + b).astype(x.dtype)
 
 
-def _linear(x, w, b):  # x [B, L, in], w [out, in], b [out]
-    return jnp.einsum("BLI,OI->BLO", x, w) + b
+def _linear(x, w, b):  # x [T, in], w [out, in], b [out]
+    return jnp.einsum("TI,OI->TO", x, w) + b
 
 
-def _layer(x, p, keys, cfg: EncoderConfig):  # x [B, L, E]; keys [B, L] bool: real tokens
-    B, L, E = x.shape
+def _layer(x, p, same_row, cfg: EncoderConfig):  # x [T, E]; same_row [T, T] bool
+    T, E = x.shape
     N, D = cfg.num_heads, cfg.head_dim
-    q, k, v = (_linear(x, p[w], p[b]).reshape(B, L, N, D)
+    q, k, v = (_linear(x, p[w], p[b]).reshape(T, N, D)
                for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
-    scores = jnp.einsum("BQND,BKND->BNQK", q, k, preferred_element_type=jnp.float32) * D ** -0.5
-    # A padded key weighs exactly 0; a row with no real key (padding) stays finite.
-    scores = jnp.where(keys[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.einsum("QND,KND->NQK", q, k, preferred_element_type=jnp.float32) * D ** -0.5
+    # A key of another row (or padding) weighs exactly 0; a padding query stays finite.
+    scores = jnp.where(same_row[None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    attn = jnp.einsum("BNQK,BKND->BQND", probs, v).reshape(B, L, E)
+    attn = jnp.einsum("NQK,KND->QND", probs, v).reshape(T, E)
     eps = cfg.layer_norm_eps
     x = _layer_norm(x + _linear(attn, p["wo"], p["bo"]), p["attn_norm"], p["attn_norm_bias"], eps)
     h = jax.nn.gelu(_linear(x, p["w_up"], p["b_up"]), approximate=False)
@@ -190,23 +193,30 @@ def _layer(x, p, keys, cfg: EncoderConfig):  # x [B, L, E]; keys [B, L] bool: re
 
 
 def hidden_states(params, tokens, lengths, *, cfg: EncoderConfig):
-    """tokens int32 [B, L] (a row's real tokens first), lengths int32 [B] -> [B, L, E], the
-    last layer's states (those past a row's length are not meaningful)."""
-    L = tokens.shape[1]
-    if L > cfg.max_position_embeddings:
-        raise ValueError(f"{L} tokens exceed max_position_embeddings "
-                         f"{cfg.max_position_embeddings}")
-    x = params["word_embed"][tokens] + params["position_embed"][:L] + params["type_embed"][0]
+    """tokens int32 [T]: rows packed one after another from position 0 (row i's `lengths[i]`
+    tokens right after row i-1's, padding after the last), lengths int32 [S] -> [T, E], the
+    last layer's states (a row's tokens attend to their own row only; padding's states are
+    not meaningful). No row may be longer than the position table."""
+    T = tokens.shape[0]
+    starts = jnp.cumsum(lengths) - lengths
+    at = jnp.arange(T)
+    # each token's row (S for padding) and its position in that row
+    row = jnp.searchsorted(starts + lengths, at, side="right")
+    positions = at - starts[jnp.minimum(row, lengths.shape[0] - 1)]
+    positions = jnp.clip(positions, 0, cfg.max_position_embeddings - 1)
+    x = (params["word_embed"][tokens] + params["position_embed"][positions]
+         + params["type_embed"][0])
     x = _layer_norm(x, params["embed_norm"], params["embed_norm_bias"], cfg.layer_norm_eps)
-    keys = jnp.arange(L)[None, :] < lengths[:, None]  # [B, L]
-    x, _ = jax.lax.scan(lambda x, p: (_layer(x, p, keys, cfg), None), x, params["layers"])
+    real = row < lengths.shape[0]
+    same_row = (row[:, None] == row[None, :]) & real[None, :]  # [T, T]: query, key
+    x, _ = jax.lax.scan(lambda x, p: (_layer(x, p, same_row, cfg), None), x, params["layers"])
     return x
 
 
 def embed(params, tokens, lengths, *, cfg: EncoderConfig, pooling: PoolingConfig):
-    """tokens int32 [B, L] (padded with 0 past each row's length), lengths int32 [B] (0 for
-    padding rows, which give a finite vector) -> float32 [B, E] pooled (and normalised when
-    `pooling` says so)."""
+    """tokens int32 [T] (rows packed from position 0, as `hidden_states` takes them), lengths
+    int32 [S] (0 for padding rows, which give a finite vector) -> float32 [S, E] pooled (and
+    normalised when `pooling` says so)."""
     return pool(hidden_states(params, tokens, lengths, cfg=cfg), lengths, pooling)
 
 

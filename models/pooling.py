@@ -65,17 +65,20 @@ def pooling_config(path: str | Path, default: PoolingConfig = PoolingConfig()) -
 
 
 def pool(hidden: jax.Array, lengths: jax.Array, cfg: PoolingConfig) -> jax.Array:
-    """hidden [B, L, H], lengths [B] int32 (a row's real tokens come first) -> [B, H] float32.
-    A row of length 0 (padding) gives a finite vector."""
+    """hidden [T, H]: the states of rows packed one after another from position 0 (row i's
+    `lengths[i]` tokens right after row i-1's; padding after the last), lengths [S] int32 ->
+    [S, H] float32. A row of length 0 (padding) gives a finite vector."""
     hidden = hidden.astype(jnp.float32)
-    B, L, _ = hidden.shape
+    starts = jnp.cumsum(lengths) - lengths  # [S]
     if cfg.mode == "mean":
-        real = (jnp.arange(L)[None, :] < lengths[:, None]).astype(jnp.float32)  # [B, L]
-        total = jnp.einsum("BLH,BL->BH", hidden, real)
+        row = jnp.arange(hidden.shape[0])
+        member = ((row[None, :] >= starts[:, None])
+                  & (row[None, :] < (starts + lengths)[:, None])).astype(jnp.float32)  # [S, T]
+        total = jnp.einsum("ST,TH->SH", member, hidden)
         pooled = total / jnp.maximum(lengths, 1).astype(jnp.float32)[:, None]
     else:
-        at = jnp.zeros((B,), jnp.int32) if cfg.mode == "cls" else jnp.maximum(lengths - 1, 0)
-        pooled = jnp.take_along_axis(hidden, at[:, None, None], axis=1)[:, 0]
+        at = starts if cfg.mode == "cls" else starts + jnp.maximum(lengths - 1, 0)
+        pooled = hidden[jnp.minimum(at, hidden.shape[0] - 1)]
     if cfg.normalize:
         # sentence-transformers' Normalize: x / max(|x|, 1e-12).
         norm = jnp.linalg.norm(pooled, axis=-1, keepdims=True)

@@ -50,18 +50,34 @@ def reference(minilm):
 
 
 def run(encoder, texts, width: int, rows: int | None = None) -> np.ndarray:
-    """Our embeddings of `texts`, one batch padded to `width` tokens and `rows` rows (the
-    extra rows are padding, length 0)."""
+    """Our embeddings of `texts`, packed into one batch of `width` tokens and `rows` rows (the
+    tokens past the last text and the extra rows, length 0, are padding)."""
     ids = [encoder.tokenizer.encode(t).ids for t in texts]
     rows = rows or len(ids)
-    tokens = np.zeros((rows, width), np.int32)
+    assert sum(map(len, ids)) <= width
+    tokens = np.zeros(width, np.int32)
+    tokens[:sum(map(len, ids))] = np.concatenate(ids)
     lengths = np.zeros((rows,), np.int32)
-    for i, row in enumerate(ids):
-        tokens[i, :len(row)], lengths[i] = row, len(row)
+    lengths[:len(ids)] = [len(row) for row in ids]
     fn = _compiled(encoder.cfg, encoder.pooling)
     out = np.asarray(fn(encoder.params, tokens, lengths))
     assert np.isfinite(out).all()  # padding rows included
     return out[:len(texts)]
+
+
+def run_batched(encoder, texts, width: int = 512, rows: int = 64) -> np.ndarray:
+    """`run` over as many batches of `width` tokens as `texts` fill, in order (as the server
+    batches them)."""
+    out, batch, used = [], [], 0
+    for text in texts:
+        n = len(encoder.tokenizer.encode(text).ids)
+        if batch and (used + n > width or len(batch) == rows):
+            out.append(run(encoder, batch, width, rows))
+            batch, used = [], 0
+        batch.append(text)
+        used += n
+    out.append(run(encoder, batch, width, rows))
+    return np.concatenate(out)
 
 
 @functools.cache
@@ -81,14 +97,9 @@ def test_embeddings_match_sentence_transformers(encoder, reference):
     lengths = [len(encoder.tokenizer.encode(t).ids) for t in TEXTS]
     # Past 128 tokens, but under 256: where sentence-transformers truncates this model.
     assert max(lengths) < 256 and sum(n > 128 for n in lengths) >= 20
-    # Four batches by length (as a server would bucket them), each padded to its own width
-    # (the shortest far past its longest text) and two with padding rows.
-    order = np.argsort(lengths, kind="stable")
-    ours = np.zeros_like(reference["texts"])
-    for chunk, rows, width in zip(np.array_split(order, 4), (64, 50, 56, 50), (64, 96, 160, 256),
-                                  strict=True):
-        assert max(lengths[i] for i in chunk) <= width
-        ours[chunk] = run(encoder, [TEXTS[i] for i in chunk], width, rows)
+    # Packed in order into batches of 512 tokens and up to 64 rows, as the server packs them
+    # (short and long texts side by side, padding tokens and rows after them).
+    ours = run_batched(encoder, TEXTS)
     sims = cosine(ours, reference["texts"])
     worst = int(np.argmin(sims))
     # 1 - 1e-6: tanh-approximated GELU instead of the exact one would fail it (3.5e-6 off).
@@ -101,7 +112,7 @@ def test_a_row_does_not_depend_on_its_batch(encoder):
     text = TEXTS[150]  # a long one
     n = len(encoder.tokenizer.encode(text).ids)
     alone = run(encoder, [text], n)
-    shared = run(encoder, [TEXTS[0], text, TEXTS[3]], 256, rows=8)[1]
+    shared = run(encoder, [TEXTS[0], text, TEXTS[3]], 512, rows=8)[1]
     assert cosine(alone[0], shared) >= 0.99999
     np.testing.assert_allclose(alone[0], shared, atol=2e-5)
 
@@ -112,7 +123,7 @@ def test_retrieval_matches_sentence_transformers(encoder, reference):
     def top1(queries, passages):
         return np.mean(np.argmax(cosine(queries[:, None], passages[None]), axis=1) == RELEVANT)
 
-    ours = top1(run(encoder, QUERIES, 32), run(encoder, PASSAGES, 64))
+    ours = top1(run_batched(encoder, QUERIES), run_batched(encoder, PASSAGES))
     theirs = top1(reference["queries"], reference["passages"])
     assert ours == theirs, f"top-1 accuracy: ours {ours:.3f}, sentence-transformers {theirs:.3f}"
     assert ours >= 0.9, f"top-1 accuracy {ours:.3f} (sentence-transformers {theirs:.3f})"
@@ -120,14 +131,14 @@ def test_retrieval_matches_sentence_transformers(encoder, reference):
 
 # ---- pooling ------------------------------------------------------------------------------
 
-HIDDEN = np.arange(3 * 4 * 2, dtype=np.float32).reshape(3, 4, 2) - 5.0  # [B=3, L=4, H=2]
-LENGTHS = np.array([2, 4, 0], np.int32)  # the last row is padding
+HIDDEN = np.arange(8 * 2, dtype=np.float32).reshape(8, 2) - 5.0  # [T=8, H=2]
+LENGTHS = np.array([2, 4, 0], np.int32)  # rows at 0-1 and 2-5; the last row is padding
 
 
 @pytest.mark.parametrize("mode, expected", [
-    ("mean", [HIDDEN[0, :2].mean(0), HIDDEN[1].mean(0), [0.0, 0.0]]),
-    ("cls", [HIDDEN[0, 0], HIDDEN[1, 0], HIDDEN[2, 0]]),
-    ("last", [HIDDEN[0, 1], HIDDEN[1, 3], HIDDEN[2, 0]]),
+    ("mean", [HIDDEN[:2].mean(0), HIDDEN[2:6].mean(0), [0.0, 0.0]]),
+    ("cls", [HIDDEN[0], HIDDEN[2], HIDDEN[6]]),  # (padding gives what it likes, finite)
+    ("last", [HIDDEN[1], HIDDEN[5], HIDDEN[6]]),
 ])
 def test_pool_modes(mode, expected):
     got = np.asarray(pool(jnp.asarray(HIDDEN), jnp.asarray(LENGTHS), PoolingConfig(mode)))
@@ -209,10 +220,15 @@ def test_tiny_bert_matches_transformers(tiny_masked_lm):
     path, tokens, lengths, expected = tiny_masked_lm
     cfg = EncoderConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
     assert cfg.architecture == "BertForMaskedLM" and model_kind(path) == "encoder"
-    got = np.asarray(hidden_states(load_params(path, cfg), jnp.asarray(tokens.numpy()),
-                                   jnp.asarray(lengths.numpy(), jnp.int32), cfg=cfg))
-    for row, n in enumerate(lengths.tolist()):
-        np.testing.assert_allclose(got[row, :n], expected[row, :n], atol=1e-5)
+    n = lengths.tolist()
+    packed = np.zeros(sum(n) + 3, np.int32)  # three padding tokens after the rows
+    packed[:sum(n)] = np.concatenate([tokens[row, :k].numpy() for row, k in enumerate(n)])
+    got = np.asarray(hidden_states(load_params(path, cfg), jnp.asarray(packed),
+                                   jnp.asarray(n, jnp.int32), cfg=cfg))
+    start = 0
+    for row, k in enumerate(n):
+        np.testing.assert_allclose(got[start:start + k], expected[row, :k], atol=1e-5)
+        start += k
 
 
 def _rewrite(path: Path, dest: Path, change) -> Path:
