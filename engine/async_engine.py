@@ -130,6 +130,12 @@ class AsyncEngine:
     def vocab_size(self) -> int | None:
         return self.engine.vocab_size
 
+    @property
+    def busy(self) -> bool:
+        """Whether requests are queued or running (read from other threads: an embedding
+        engine beside this one gives way while it is; engine/embedding_engine.py)."""
+        return self._queued > 0 or self.engine.has_unfinished()
+
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None, add_special_tokens: bool = True,
                           cache_salt: str | None = None,

@@ -9,7 +9,9 @@ to the smallest bucket of the runner's table (`embed_buckets`), runs it, and han
 its vectors when its last row is done. A client
 that leaves drops its rows that have not run. Like `AsyncEngine`: a bounded waiting queue
 (EngineOverloaded), and a runner that fails is rebuilt while its requests end with
-EngineDeadError.
+EngineDeadError. While a generating model of the same server has work, this engine runs
+one input a step and its steps take at most `embedding_share` of the time (it waits after
+each), so chat beside embeddings keeps most of its speed where the two share the device.
 
 The runner (engine/embedding_runner.py) is the device side; this module is pure Python and
 numpy.
@@ -102,6 +104,9 @@ class EmbeddingEngine:
         self._waiting = 0  # requests queued and not yet finished
         self._running = 0  # rows in the step under way
         self._stopping = False
+        # Engines whose work comes first: while one is busy, this one runs at most
+        # config.embedding_share of the time (engine.launch sets them: the server's generators).
+        self.yield_to: list = []
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}",
                                         daemon=True)
         self._thread.start()
@@ -206,7 +211,9 @@ class EmbeddingEngine:
             self._drain(block=not self._rows)
             batch = self._take()
             if batch:
+                start = time.perf_counter()
                 self._run(batch)
+                self._give_way(time.perf_counter() - start)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -223,6 +230,8 @@ class EmbeddingEngine:
         budget and the row cap (one row at least, however long)."""
         batch, used = [], 0
         budget, cap = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        if self._giving_way():  # short steps, so a generator's step never waits long
+            cap = 1
         while self._rows:
             request, i = self._rows[0]
             if request.cancelled:
@@ -255,6 +264,18 @@ class EmbeddingEngine:
             request.left -= 1
             if request.left == 0:
                 request.resolve(np.stack(request.vectors))
+
+    def _give_way(self, step_s: float) -> None:
+        """After a step of `step_s` seconds, while an engine of `yield_to` has work, wait so
+        that this engine's steps take at most `embedding_share` of the time."""
+        if not self._giving_way():
+            return
+        until = time.perf_counter() + step_s * (1 / self.config.embedding_share - 1)
+        while not self._stopping and time.perf_counter() < until and self._giving_way():
+            time.sleep(0.002)
+
+    def _giving_way(self) -> bool:
+        return self.config.embedding_share < 1 and any(e.busy for e in self.yield_to)
 
     def _reboot(self, error: Exception) -> None:
         self.alive = False

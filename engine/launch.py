@@ -95,6 +95,9 @@ def start_engines(specs: list[ModelSpec], memory_fraction: float | None = None,
             continue
         config = size_kv(config, memory_fraction, generators, kv_memory_bytes)
         engines[spec.name] = AsyncEngine(config, sampling_defaults=defaults[spec.name])
+    for engine in engines.values():  # generation first (EngineConfig.embedding_share)
+        if isinstance(engine, EmbeddingEngine):
+            engine.yield_to = [e for e in engines.values() if isinstance(e, AsyncEngine)]
     return Engines(engines)
 
 

@@ -147,6 +147,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pooling", choices=POOLING_TYPES, default="auto",
                    help="how an embedding model pools its token states: auto (its files' "
                         "1_Pooling/config.json; a decoder: last), mean, cls or last")
+    p.add_argument("--embedding-share", type=float, default=0.2, metavar="FRACTION",
+                   help="while a generating model has work, an embedding model served beside "
+                        "it runs at most this share of the time (1: no limit)")
     p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
                    help="L2-normalise embeddings (default: as the model's files say; a "
                         "decoder: yes)")
@@ -374,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu_kernels=args.cpu_kernels, speculative=args.speculative_config,
             layer_loop=args.layer_loop, load_format=args.load_format, task=args.task,
             pooling=args.pooling, normalize=args.normalize,
+            embedding_share=args.embedding_share,
             generation_config=args.generation_config,
             generation_overrides=args.override_generation_config)
     except (ValueError, FileNotFoundError, OSError) as e:

@@ -3,6 +3,7 @@ hand: batching into the bucket table, limits, abandoned requests, reboots."""
 
 import asyncio
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -119,5 +120,44 @@ def test_a_failed_runner_fails_its_requests_and_is_rebuilt():
         assert asyncio.run(engine.embed([[5, 6]])).tolist() == [expected([5, 6])]
         assert len(runners) == 2 and engine.stats().num_restarts == 1
         assert engine.stats().alive
+    finally:
+        engine.shutdown()
+
+
+def test_beside_a_busy_generator_it_runs_one_input_a_step_and_gives_it_the_time(monkeypatch):
+    import engine.embedding_engine as module
+
+    class Clock:  # the engine's time: a step takes 10 ms, a wait takes what it asks
+        now = 0.0
+
+        def perf_counter(self):
+            return self.now
+
+        def sleep(self, seconds):
+            self.now += seconds
+
+    clock = Clock()
+    monkeypatch.setattr(module, "time", clock)
+
+    class SlowRunner(FakeEmbeddingRunner):
+        def run(self, tokens, lengths):
+            clock.now += 0.010
+            return super().run(tokens, lengths)
+
+    generator = types.SimpleNamespace(busy=True)
+    runners = []
+    engine = engine_with(lambda cfg: runners.append(SlowRunner(cfg)) or runners[-1],
+                         embedding_share=0.2)
+    engine.yield_to = [generator]
+    inputs = [[i + 1] * 5 for i in range(6)]
+    try:
+        assert asyncio.run(engine.embed(inputs)).tolist() == [expected(x) for x in inputs]
+        assert [int((lengths > 0).sum()) for _, lengths in runners[0].runs] == [1] * 6
+        # 10 ms of steps in each 50: a wait of 40 ms after each step before the last's answer
+        assert clock.now >= 6 * 0.010 + 5 * 0.040 - 1e-9
+        generator.busy = False  # idle: as many rows a step as fit
+        runs = len(runners[0].runs)
+        asyncio.run(engine.embed(inputs))
+        assert [int((lengths > 0).sum()) for _, lengths in runners[0].runs[runs:]] == [6]
     finally:
         engine.shutdown()
