@@ -144,11 +144,11 @@ class EmbeddingEngine:
     def num_waiting(self) -> int:
         return self._waiting
 
-    async def encode(self, text: str) -> list[int]:
-        """A text's token ids as the model's tokenizer adds them (its [CLS]/[SEP] included),
-        tokenized off the event loop."""
+    async def encode(self, texts: list[str]) -> list[list[int]]:
+        """Each text's token ids as the model's tokenizer adds them (its [CLS]/[SEP]
+        included), tokenized off the event loop."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.runner.encode, text)
+        return await loop.run_in_executor(None, lambda: [self.runner.encode(t) for t in texts])
 
     def check_input(self, ids: list[int]) -> None:
         """RequestRejected (a 400) for an input the model cannot take."""

@@ -76,15 +76,15 @@ async def create_embeddings(req: EmbeddingRequest, model: str, engine: Embedding
         allowed = (f"one of {', '.join(map(str, engine.truncations))}" if engine.truncations
                    else f"not set: {model} was not trained for shorter vectors")
         raise APIError(400, f"dimensions must be {allowed}", param="dimensions")
-    ids = []
-    for i, item in enumerate(req.inputs()):
-        if isinstance(item, str):
-            if len(item.encode()) > MAX_BYTES_PER_TOKEN * engine.max_model_len:
-                raise APIError(400, f"input {i} is longer than this model's maximum context "
-                                    f"length of {engine.max_model_len} tokens",
-                               param="input", code="context_length_exceeded")
-            item = await engine.encode(item)
-        ids.append(item)
+    inputs = req.inputs()
+    for i, item in enumerate(inputs):
+        if isinstance(item, str) and (len(item.encode()) >
+                                      MAX_BYTES_PER_TOKEN * engine.max_model_len):
+            raise APIError(400, f"input {i} is longer than this model's maximum context "
+                                f"length of {engine.max_model_len} tokens",
+                           param="input", code="context_length_exceeded")
+    texts = iter(await engine.encode([x for x in inputs if isinstance(x, str)]))
+    ids = [next(texts) if isinstance(x, str) else x for x in inputs]
     try:
         vectors = await engine.embed(ids)
     except RequestRejected as e:
