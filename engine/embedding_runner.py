@@ -97,13 +97,17 @@ def truncations(path: str, hidden_size: int) -> tuple[int, ...]:
 class EmbeddingRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.tensor_parallel_size > 1 or config.speculative is not None:
+            raise ValueError("an embedding model runs on one device, without speculative "
+                             "decoding (--tensor-parallel-size 1, no --speculative-config)")
         if config.cpu_kernels != "auto":
             native.choose(config.cpu_kernels)
         start = time.perf_counter()
         if model_kind(config.model) == "encoder":
             from models import bert
+            from models.loader import resolve_dtype
 
-            encoder = bert.load_encoder(config.model)
+            encoder = bert.load_encoder(config.model, resolve_dtype(config.dtype))
             self.pooling = pooling_for(config, encoder.pooling)
             self.params, graph = encoder.params, (encoder.cfg, self.pooling)
             self._fn = functools.partial(bert.embed, cfg=encoder.cfg, pooling=self.pooling)
