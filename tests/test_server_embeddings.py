@@ -3,6 +3,7 @@ generating model: OpenAI's shapes, its encodings, bad inputs as 400s, and the ro
 other task refused."""
 
 import base64
+import types
 
 import httpx
 import numpy as np
@@ -105,3 +106,33 @@ def test_each_model_serves_its_own_task(url, client):
     assert {m.id for m in client.models.list()} == {NAME, "chat"}
     metrics = httpx.get(f"{url}/metrics").text
     assert f'xlaserve:prompt_tokens_total{{model_name="{NAME}"}}' in metrics
+
+
+def test_dimensions_cut_a_matryoshka_models_vectors_and_normalise_again(tmp_path):
+    from fakes import FakeEmbeddingRunner
+
+    from engine.embedding_runner import truncations
+
+    (tmp_path / "config.json").write_text('{"matryoshka_dimensions": [2, 768]}')
+    assert truncations(str(tmp_path), 3) == (2,)  # (sizes past the model's are dropped)
+    (tmp_path / "config.json").write_text('{"is_matryoshka": true}')
+    assert truncations(str(tmp_path), 3) == (1, 2, 3)
+    assert truncations(str(tmp_path / "absent"), 3) == ()
+
+    class Matryoshka(FakeEmbeddingRunner):
+        truncations = (2,)
+        pooling = types.SimpleNamespace(normalize=True)
+
+    cfg = EngineConfig(model="m", name="m", task="embed", max_num_seqs=8,
+                       max_num_batched_tokens=64)
+    engine = EmbeddingEngine(cfg, factory=Matryoshka)
+    try:
+        with serving(Engines({"m": engine})) as url:
+            r = httpx.post(f"{url}/v1/embeddings", json={"input": [[3, 4]], "dimensions": 2})
+            assert r.status_code == 200, r.text
+            # the fake's vector [7, 2, 3] cut to [7, 2], normalised
+            assert np.allclose(r.json()["data"][0]["embedding"], np.array([7, 2]) / np.hypot(7, 2))
+            r = httpx.post(f"{url}/v1/embeddings", json={"input": "hi", "dimensions": 3})
+            assert r.status_code == 400 and "one of 2" in r.json()["error"]["message"]
+    finally:
+        engine.shutdown()
