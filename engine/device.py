@@ -102,6 +102,11 @@ def kv_pages(config: EngineConfig, memory_fraction: float | None = None,
         itemsize * sum(math.prod(s.shape) for s in param_specs(cfg).values()) / tp)
     page = (2 * cfg.num_layers * config.block_size * run_cfg.num_kv_heads // tp
             * kv_token_bytes(kv_dtype, cfg.head_dim))
+    draft = _draft_config(config)
+    if draft is not None:  # its own pool of as many pages, and its weights (as float)
+        page += (2 * draft.num_layers * config.block_size * draft.num_kv_heads
+                 * kv_token_bytes(kv_dtype, draft.head_dim))
+        weights += itemsize * sum(math.prod(s.shape) for s in param_specs(draft).values())
     memory = device_memory_bytes()
     cpu = jax.default_backend() == "cpu"
     if cpu:
@@ -130,7 +135,18 @@ def kv_pages(config: EngineConfig, memory_fraction: float | None = None,
             f"{config.max_model_len} needs ({need}): give the KV cache more memory "
             f"(--kv-cache-memory-bytes, --gpu-memory-utilization, --num-pages) or lower "
             f"--max-model-len")
-    logger.info("KV cache for %s: %d pages of %d tokens (%d tokens, %.2f GiB in %s; budget: "
+    logger.info("KV cache for %s: %d pages of %d tokens (%d tokens, %.2f GiB in %s%s; budget: "
                 "%s)", config.model, pages, config.block_size, pages * config.block_size,
-                pages * page / 2**30, kv_dtype.name, what)
+                pages * page / 2**30, kv_dtype.name,
+                ", the draft model's pages included" if draft is not None else "", what)
     return pages
+
+
+def _draft_config(config: EngineConfig):
+    """The model config of `config`'s draft model (speculative decoding), or None."""
+    spec = config.speculative
+    if spec is None or getattr(spec, "model", None) is None:
+        return None
+    from engine.draft_model import draft_path  # (it imports the runner, which imports this)
+
+    return load_config(draft_path(spec.model))

@@ -65,6 +65,12 @@ def test_kv_pages_from_memory(default_gguf, monkeypatch):
     assert device.size_kv(many, kv_memory_bytes=200 * page).num_blocks == 200
     shared = device.size_kv(cfg, 0.5, num_models=2)
     assert (shared.num_blocks, shared.gpu_memory_utilization) == (None, 0.25)
+    # a draft model (here the model drafting for itself): its pool has as many pages, and
+    # its weights come out of a memory share too
+    drafting = dataclasses.replace(cfg, speculative={"model": str(default_gguf)})
+    assert device.kv_pages(drafting, kv_memory_bytes=200 * page) == 100
+    assert device.kv_pages(drafting, memory_fraction=0.5) == int(
+        (0.5 * 4 * gib - 2 * weights) // (2 * page))
 
 
 def test_a_memory_share_is_sized_after_the_weights_and_the_largest_step(tmp_path, monkeypatch):
