@@ -28,7 +28,8 @@ LONG_MODULES = ("test_tensor_parallel.py", "test_engine.py", "test_kv_cache_dtyp
                 "test_pallas_tpu_attention.py", "test_pallas_gpu_attention.py",
                 "test_cpu_attention.py", "test_fuzz_api.py", "test_security_streams.py",
                 "test_server_structured.py", "test_attention_backends.py",
-                "test_tool_loop.py", "test_logit_bias.py", "test_server_responses.py")
+                "test_tool_loop.py", "test_logit_bias.py", "test_server_responses.py",
+                "test_decoder_embeddings.py", "test_bert.py")
 
 
 def pytest_xdist_auto_num_workers(config):

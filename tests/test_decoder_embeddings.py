@@ -30,7 +30,7 @@ def runner(default_gguf):
 
     runner = EmbeddingRunner(EngineConfig(model=str(default_gguf), task="embed",
                                           quantization="none", max_model_len=32,
-                                          max_num_seqs=4, max_num_batched_tokens=64))
+                                          max_num_seqs=4, max_num_batched_tokens=32))
     runner.warmup()
     return runner
 
