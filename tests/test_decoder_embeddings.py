@@ -69,3 +69,42 @@ def test_pooled_states_equal_transformers_in_any_batch(runner, reference):
             assert cosine(got, last[i]) >= 0.9999, (TEXTS[i], cosine(got, last[i]))
             assert np.allclose(got, last[i], atol=1e-3 * np.abs(last[i]).max())
     assert runner.compilations_after_warmup == 0
+
+
+@pytest.mark.slow
+def test_pooled_states_of_200_texts_equal_transformers(default_gguf, reference):
+    """The embeddings' 200 parity texts (tests/data/embedding_texts.json) through the default
+    model's last-token states, packed as the server packs them."""
+    import json
+    from pathlib import Path
+
+    from engine.embedding_runner import EmbeddingRunner
+
+    texts = json.loads((Path(__file__).parent / "data" / "embedding_texts.json").read_text())[
+        "texts"]
+    runner = EmbeddingRunner(EngineConfig(model=str(default_gguf), task="embed",
+                                          quantization="none", max_model_len=512))
+    runner.warmup()
+    ids = [runner.encode(t) for t in texts]
+    assert len(texts) == 200 and max(map(len, ids)) <= 512
+    groups, group = [], []  # in order, up to 512 tokens and 8 texts a step
+    for x in ids:
+        if group and (sum(map(len, group)) + len(x) > 512 or len(group) == 8):
+            groups.append(group)
+            group = []
+        group.append(x)
+    groups.append(group)
+    worst = 1.0
+    for group in groups:
+        total = sum(map(len, group))
+        size, rows = next(b for b in runner.buckets if b[0] >= total and b[1] >= len(group))
+        tokens = np.zeros(size, np.int32)
+        tokens[:total] = np.concatenate(group)
+        lengths = np.zeros(rows, np.int32)
+        lengths[:len(group)] = [len(x) for x in group]
+        out = runner.run(tokens, lengths)
+        for row, x in enumerate(group):
+            state = states(reference, x)[-1]
+            worst = min(worst, cosine(out[row].astype(np.float64), state))
+    assert worst >= 0.9999, worst
+    assert runner.compilations_after_warmup == 0
