@@ -12,9 +12,12 @@ order of summation, so only the instruction set differs."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import platform
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import gguf
@@ -24,7 +27,7 @@ import pytest
 from attention_cases import LAYER, make_case, oracle
 
 from models.gguf_loader import repack
-from ops import native
+from ops import cache_trust, native
 from ops.kv_cache import KVCache
 from ops.quantization import QuantFormat, pack, quantize, scheme_format
 
@@ -61,17 +64,38 @@ NAMES = {k: f"{k[0]}" + (f" without {k[1]}" if k[1] else "") for k in BUILDS}
 @functools.cache
 def _harness(variant: str, without: str | None, out_dir: str) -> list[str]:
     """The harness built as `variant` (without the optional feature `without`): the command
-    that runs it."""
+    that runs it. Kept in the user cache (private, as the kernels' libraries) under a name
+    that digests the C++ sources, the flags and the compiler, so a run after a Python-only
+    change does not build it again (the seven builds take ~45 s of a worker)."""
     flags = [f for f in native.compile_flags(variant, _features(variant, without))
              if f not in ("-shared", "-fPIC")]
-    exe = Path(out_dir) / f"harness-{variant}-{without or 'all'}"
     cxx = [CROSS, "-static"] if variant == "neon" else [shutil.which("c++") or "g++"]
     if variant == "neon":
         flags = [f for f in flags if f != "-mtune=native"]
-    done = subprocess.run([*cxx, *flags, str(HARNESS), "-o", str(exe)], capture_output=True,
-                          text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [QEMU, "-cpu", "max", str(exe)] if variant == "neon" else [str(exe)]
+    version = subprocess.run([cxx[0], "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256(repr((cxx, flags, version)).encode())
+    for source in [HARNESS, *sorted(HARNESS.parents[1].glob("ops/native/*.[ch]*"))]:
+        digest.update(source.read_bytes())
+    prefix = f"harness-{variant}-{without or 'all'}-"
+    name = prefix + digest.hexdigest()[:24]
+    try:
+        directory = cache_trust.private_dir(cache_trust.user_cache_dir(), "test-harness")
+        cache_trust.open_private(directory, name).close()  # there, and this user's alone
+    except (OSError, cache_trust.UntrustedPath) as e:
+        if not isinstance(e, FileNotFoundError):
+            directory = Path(out_dir)  # an untrusted cache: build privately for this run
+        fd, tmp = tempfile.mkstemp(dir=directory)  # renamed over the name when whole
+        os.close(fd)
+        done = subprocess.run([*cxx, *flags, str(HARNESS), "-o", tmp], capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, directory / name)
+        for old in directory.glob(prefix + "*"):  # builds of older sources
+            if old.name != name:
+                old.unlink(missing_ok=True)
+    exe = str(directory / name)
+    return [QEMU, "-cpu", "max", exe] if variant == "neon" else [exe]
 
 
 @pytest.fixture(scope="module")
