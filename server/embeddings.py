@@ -21,22 +21,15 @@ from starlette.responses import JSONResponse, Response
 from engine.embedding_engine import EmbeddingEngine
 from engine.scheduler import RequestRejected
 from server.errors import APIError
-from server.protocol import served
+from server.protocol import as_batch, batch_schema, check_batch, served
 
 MAX_INPUTS = 2048  # inputs in one request, as OpenAI's API
 # A text longer in bytes than this many per token cannot fit the model (server/generation.py
 # refuses prompts the same way): it is refused before it is tokenized.
 MAX_BYTES_PER_TOKEN = 64
 
-_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0,
-                                                         **served("token_id")},
-              **served("max_tokens")}
-_INPUT = {"anyOf": [{"type": "string", "minLength": 1},
-                    {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS,
-                     "items": {"type": "string", "minLength": 1}},
-                    _TOKEN_IDS, {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS,
-                                 "items": _TOKEN_IDS}],
-          "description": "A text, texts, token ids, or lists of token ids: each one input."}
+_INPUT = batch_schema(MAX_INPUTS, "A text, texts, token ids, or lists of token ids: each one "
+                                  "input.")
 
 
 class EmbeddingRequest(BaseModel):
@@ -46,28 +39,18 @@ class EmbeddingRequest(BaseModel):
                               json_schema_extra=served("model"))
     input: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(_INPUT)]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1, description="Truncate each vector to this many "
-                                   "values (only models trained for it).")
+    dimensions: int | None = Field(None, ge=1, le=1 << 16,
+                                   description="Truncate each vector to this many values "
+                                               "(only models trained for it).")
     user: str | None = None
 
     @field_validator("input")
     @classmethod
     def _inputs_given(cls, value):
-        inputs = _inputs(value)
-        if not inputs or not all(inputs):
-            raise ValueError("input is empty")
-        if len(inputs) > MAX_INPUTS:
-            raise ValueError(f"at most {MAX_INPUTS} inputs in one request, got {len(inputs)}")
-        return value
+        return check_batch(value, MAX_INPUTS, "input")
 
     def inputs(self) -> list[str | list[int]]:
-        return _inputs(self.input)
-
-
-def _inputs(value) -> list[str | list[int]]:
-    if isinstance(value, str) or (value and isinstance(value[0], int)):
-        return [value]
-    return list(value)
+        return as_batch(self.input)
 
 
 async def create_embeddings(req: EmbeddingRequest, model: str, engine: EmbeddingEngine,

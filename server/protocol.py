@@ -186,16 +186,42 @@ class SamplingRequest(BaseModel):
 
 MaxTokens = Annotated[int, Field(ge=1, json_schema_extra=served("max_tokens"))]
 
-# What _no_empty_prompt and the engine's vocabulary check enforce, for /openapi.json.
+# What check_batch and the engine's vocabulary check enforce, for /openapi.json.
 _TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0,
                                                          **served("token_id")},
               **served("max_tokens")}
-_PROMPT = {"anyOf": [{"type": "string", "minLength": 1},
-                     {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
-                      "items": {"type": "string", "minLength": 1}},
-                     _TOKEN_IDS, {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
-                                  "items": _TOKEN_IDS}],
-           "description": "Text, token ids, or a batch of either."}
+
+
+def batch_schema(most: int, description: str) -> dict:
+    """The schema of a text, texts, token ids, or lists of token ids (at most `most`): a
+    completions prompt, an embeddings input."""
+    return {"anyOf": [{"type": "string", "minLength": 1},
+                      {"type": "array", "minItems": 1, "maxItems": most,
+                       "items": {"type": "string", "minLength": 1}},
+                      _TOKEN_IDS, {"type": "array", "minItems": 1, "maxItems": most,
+                                   "items": _TOKEN_IDS}],
+            "description": description}
+
+
+def as_batch(value: str | list) -> list[str | list[int]]:
+    """The items of a value `batch_schema` describes: one text or one list of ids is one."""
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        return [value]
+    return list(value)
+
+
+def check_batch(value, most: int, name: str):
+    """`value` (see batch_schema), or ValueError when it or an item is empty or it holds more
+    than `most` items."""
+    items = as_batch(value)
+    if not items or not all(items):
+        raise ValueError(f"{name} is empty")
+    if len(items) > most:
+        raise ValueError(f"at most {most} {name}s in one request, got {len(items)}")
+    return value
+
+
+_PROMPT = batch_schema(MAX_PROMPTS, "Text, token ids, or a batch of either.")
 
 
 class CompletionRequest(SamplingRequest):
@@ -210,16 +236,11 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _no_empty_prompt(cls, prompt):
-        prompts = _prompts(prompt)
-        if not prompts or not all(prompts):
-            raise ValueError("prompt is empty")
-        if len(prompts) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}")
-        return prompt
+        return check_batch(prompt, MAX_PROMPTS, "prompt")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of a (possibly batched) request."""
-        return _prompts(self.prompt)
+        return as_batch(self.prompt)
 
     def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         if self.suffix:
@@ -228,12 +249,6 @@ class CompletionRequest(SamplingRequest):
             raise SamplingParamsError("n", f"n ({self.n}) times the prompts "
                                       f"({len(self.prompts())}) must be at most {MAX_CHOICES}")
         return self.sampling_params(self.max_tokens, self.logprobs, defaults)
-
-
-def _prompts(prompt: str | list) -> list[str | list[int]]:
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return [prompt]
-    return list(prompt)
 
 
 class DetokenizeRequest(BaseModel):
