@@ -22,7 +22,15 @@ import time
 
 import httpx
 
-from engine.bench.serve import Request, Result, latency_stats
+from engine.bench.serve import (
+    Request,
+    Result,
+    latency_stats,
+    print_head,
+    print_latency,
+    print_tail,
+    row,
+)
 
 
 @dataclasses.dataclass
@@ -99,23 +107,9 @@ def summarize_embeddings(args, requests: list[Request], results: list[EmbeddingR
 
 
 def print_embedding_table(res: dict) -> None:
-    row = lambda name, v, fmt="": print(f"{name:<40} {v:<10{fmt}}")
-    print("{s:{c}^{n}}".format(s=" Embedding Benchmark Result ", n=50, c="="))
-    row("Successful requests:", res["completed"])
-    row("Failed requests:", res["failed"])
-    if res["max_concurrency"] is not None:
-        row("Maximum request concurrency:", res["max_concurrency"])
-    row("Request rate (req/s):", res["request_rate"], ".2f")
-    row("Benchmark duration (s):", res["duration_s"], ".2f")
-    row("Total input tokens:", res["total_input_tokens"])
+    print_head(res, "Embedding Benchmark Result")
     row("Embedding dimensions:", ",".join(map(str, res["embedding_dims"])) or "-")
     row("Request throughput (req/s):", res["request_throughput"], ".2f")
     row("Total Token throughput (tok/s):", res["total_token_throughput"], ".2f")
-    print("{s:{c}^{n}}".format(s="End-to-end Latency", n=50, c="-"))
-    for stat, title in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
-        row(f"{title} E2EL (ms):", res[f"{stat}_e2el_ms"], ".2f")
-    if "matmul_flops_per_s" in res:
-        print("{s:{c}^{n}}".format(s="Machine ceilings (this host)", n=50, c="-"))
-        row("Matmul rate (TFLOP/s):", res["matmul_flops_per_s"] / 1e12, ".3f")
-        row("Copy bandwidth (GB/s):", res["copy_bytes_per_s"] / 1e9, ".2f")
-    print("=" * 50)
+    print_latency(res, "e2el", "E2EL", "End-to-end Latency")
+    print_tail(res)
