@@ -80,6 +80,8 @@ def _counters(engine: LLMEngine) -> dict[str, int]:
 
 
 class AsyncEngine:
+    task = "generate"  # (an EmbeddingEngine's is "embed")
+
     def __init__(self, config: EngineConfig,
                  factory: Callable[[EngineConfig], LLMEngine] | None = None,
                  stream_backlog_limit: int = STREAM_BACKLOG_LIMIT,

@@ -111,7 +111,8 @@ class EmbeddingRunner:
             self.pooling = pooling_for(config, encoder.pooling)
             self.params, graph = encoder.params, (encoder.cfg, self.pooling)
             self._fn = functools.partial(bert.embed, cfg=encoder.cfg, pooling=self.pooling)
-            self.tokenizer = encoder.tokenizer
+            tokenizer = encoder.tokenizer  # (it adds [CLS] ... [SEP] itself)
+            self.encode = lambda text: tokenizer.encode(text).ids  # text -> token ids
             model_len = encoder.max_model_len
             self.vocab_size, self.hidden_size = encoder.cfg.vocab_size, encoder.cfg.hidden_size
         else:
@@ -127,7 +128,7 @@ class EmbeddingRunner:
             graph = (graphdef, self.pooling, config.block_size)
             self._fn = functools.partial(_decoder_embed, graphdef, block_size=config.block_size,
                                          pooling=self.pooling)
-            self.tokenizer = Tokenizer.for_model(config.model)
+            self.encode = Tokenizer.for_model(config.model).encode  # BOS by its rules
             model_len = model.cfg.max_position_embeddings or config.max_model_len
             self.vocab_size, self.hidden_size = model.cfg.vocab_size, model.cfg.hidden_size
         self.max_model_len = min(config.max_model_len, model_len)
@@ -148,12 +149,6 @@ class EmbeddingRunner:
                     ", normalised" if self.pooling.normalize else "", self.hidden_size,
                     self.weight_bytes / 2**20, self.max_model_len, time.perf_counter() - start,
                     list(self.buckets))
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a text with the special tokens the model's tokenizer adds."""
-        if hasattr(self.tokenizer, "encode_batch"):  # a `tokenizers.Tokenizer` (encoders)
-            return self.tokenizer.encode(text).ids
-        return self.tokenizer.encode(text)  # models.tokenizer.Tokenizer (BOS by its rules)
 
     def _compile(self, bucket: tuple[int, int]):
         size, rows = bucket

@@ -93,13 +93,13 @@ class Server:
         a request that names none gets the only model, or the only one serving `task`."""
         names = self.engines.names()
         if model is None:  # the one model there is, or the one model doing this task
-            doing = [n for n in names if getattr(self.engines[n], "task", "generate") == task]
+            doing = [n for n in names if self.engines[n].task == task]
             if len(names) != 1 and len(doing) != 1:
                 raise APIError(400, f"model is required; served models: {', '.join(names)}",
                                param="model")
             model = names[0] if len(names) == 1 else doing[0]
         engine = self.engines[model]  # UnknownModel -> 404
-        if getattr(engine, "task", "generate") != task:
+        if engine.task != task:
             serves = ("embeddings (/v1/embeddings), not generation" if task == "generate" else
                       "generation, not embeddings (start it with --task embed for those)")
             raise APIError(400, f"the model {model!r} serves {serves}", param="model")

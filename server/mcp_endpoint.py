@@ -135,7 +135,7 @@ class McpEndpoint:
         self.engines = engines
         # tool name -> served model (a model that embeds generates no replies)
         self.models = tool_names([name for name in engines.names()
-                                  if getattr(engines[name], "task", "generate") == "generate"])
+                                  if engines[name].task == "generate"])
         try:
             version = metadata.version("xlaserve")
         except metadata.PackageNotFoundError:
