@@ -5,7 +5,7 @@ thread through a thread-safe inbox; outputs (deltas) come back to each request's
 stream with `call_soon_threadsafe`. A stream's backlog is bounded (engine/request_stream.py):
 a consumer that lags gets merged deltas, one that stops reading gets its request aborted. If the
 engine thread dies, in-flight requests end with an `EngineDeadError`, and the engine
-is rebuilt from its saved config.
+is rebuilt from its saved config (the thread and its recovery: engine/engine_thread.py).
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 
 from engine import cluster
 from engine.config import STREAM_BACKLOG_LIMIT, EngineConfig
+from engine.engine_thread import EngineDeadError, EngineThread
 from engine.grammar import COMPILE_TIMEOUT_S, GrammarError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -28,12 +27,6 @@ from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.scheduler import RequestRejected
 from models.chat_template import ChatTemplate
-
-logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine failed while serving this request, or is rebooting."""
 
 
 class EngineOverloaded(RuntimeError):
@@ -79,25 +72,19 @@ def _counters(engine: LLMEngine) -> dict[str, int]:
             "spec_decode_num_accepted_tokens": spec.num_accepted_tokens}
 
 
-class AsyncEngine:
+class AsyncEngine(EngineThread):
     task = "generate"  # (an EmbeddingEngine's is "embed")
 
     def __init__(self, config: EngineConfig,
                  factory: Callable[[EngineConfig], LLMEngine] | None = None,
                  stream_backlog_limit: int = STREAM_BACKLOG_LIMIT,
                  sampling_defaults: dict | None = None):
-        self.config = config
         # The model's sampling values for what a request leaves unset (the server's;
         # models.generation_config, engine.launch).
         self.sampling_defaults = dict(sampling_defaults or {})
         self.stream_backlog_limit = stream_backlog_limit  # per stream (RequestStream)
-        self.name = config.name or config.model
-        self._factory = factory or (lambda cfg: LLMEngine(cfg))
-        self.engine = self._build()
+        super().__init__(config, factory or (lambda cfg: LLMEngine(cfg)))
         self.tokenizer = self.engine.tokenizer
-        self.num_restarts = 0
-        self.alive = True
-        self._inbox: queue.Queue = queue.Queue()
         # Requests in the inbox (its aborts and wakes are not waiting requests), counted
         # when put and when the engine thread takes them.
         self._queued = 0
@@ -106,17 +93,14 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._chat_template = None
         self._retired = EngineStats()  # counters of engines that died
-        self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}",
-                                        daemon=True)
-        self._thread.start()
+        self._start()
         if cluster.leader is not None:
             cluster.leader.on_lost(self._cluster_lost)
 
-    def _build(self) -> LLMEngine:
-        engine = self._factory(self.config)
-        engine.warmup()
-        return engine
+    @property
+    def engine(self) -> LLMEngine:
+        """The device side (rebuilt after a death)."""
+        return self._core
 
     # ---- front end (event loop) -----------------------------------------------------------
 
@@ -241,21 +225,7 @@ class AsyncEngine:
         """A stored conversation is gone: the blocks it kept become ordinary cached ones."""
         self._inbox.put(("release", session))
 
-    def shutdown(self) -> None:
-        self._stopping = True
-        self._inbox.put(("wake",))
-        self._thread.join(timeout=30)
-
     # ---- engine thread --------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        while not self._stopping:
-            try:
-                self._serve()
-            except Exception as e:  # the engine died: fail its requests, rebuild it
-                self._reboot(e)
-                if cluster.lost() is not None:  # no rebuilding without the other processes
-                    return
 
     def _serve(self) -> None:
         while not self._stopping:
@@ -316,39 +286,22 @@ class AsyncEngine:
         for request_id in list(self._streams):
             self._send(request_id, error)
 
-    def _reboot(self, error: Exception) -> None:
-        self.alive = False
-        logger.error("Engine %s is dead, rebooting", self.name, exc_info=error)
-        failed = EngineDeadError(f"engine {self.name} failed: {type(error).__name__}: {error}")
-        self._fail_all(failed)
-        while True:  # requests queued meanwhile fail too: nothing waits on a dead engine
+    def _fail_waiting(self, error: EngineDeadError) -> None:
+        self._fail_all(error)
+        while True:  # requests queued meanwhile fail too
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
-                break
+                return
             self._taken(cmd)
             if cmd[0] == "add":
-                self._send(cmd[1], failed)
-        old = self.engine
+                self._send(cmd[1], error)
+
+    def _retire(self, dead: LLMEngine) -> None:
+        # The dead engine's counters stay in the stats; its host bookkeeping stays readable
+        # until the next one is built.
         self._retired = dataclasses.replace(self._retired, **{
-            k: getattr(self._retired, k) + v for k, v in _counters(old).items()})
-        # The dead engine's host bookkeeping stays readable (stats) while its device memory
-        # goes before the next one is built: both at once would not fit at a high
-        # --gpu-memory-utilization.
-        old.release()
-        while not self._stopping and cluster.lost() is None:
-            try:
-                self.engine = self._build()
-                break
-            except Exception:
-                logger.exception("Rebuilding engine %s failed; retrying in 1s", self.name)
-                time.sleep(1.0)
-        if cluster.lost() is not None:
-            logger.error("Engine %s stays down: %s", self.name, cluster.lost())
-            return
-        self.num_restarts += 1
-        self.alive = True
-        logger.info("Successfully rebooted engine %s", self.name)
+            k: getattr(self._retired, k) + v for k, v in _counters(dead).items()})
 
 
 class Engines:

@@ -22,19 +22,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import logging
 import queue
-import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from engine.async_engine import EngineDeadError, EngineOverloaded, EngineStats
+from engine.async_engine import EngineOverloaded, EngineStats
 from engine.config import EngineConfig
+from engine.engine_thread import EngineDeadError, EngineThread
 from engine.scheduler import RequestRejected
-
-logger = logging.getLogger(__name__)
 
 # The token buckets: multiples of 16 up to 128, then eight a doubling (a batch pads by at
 # most 1/8 of its tokens), up to the token budget (or the model's length, if longer: a long
@@ -84,37 +81,28 @@ class _Request:
         self.loop.call_soon_threadsafe(settle)
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(EngineThread):
     """One pooling model: `await embed(inputs)` -> float32 [len(inputs), hidden]."""
 
     task = "embed"
 
     def __init__(self, config: EngineConfig, factory: Callable | None = None):
-        self.config = config
-        self.name = config.name or config.model
         if factory is None:
             from engine.embedding_runner import EmbeddingRunner  # the device side
             factory = EmbeddingRunner
-        self._factory = factory
-        self.runner = self._build()
-        self.num_restarts = 0
-        self.alive = True
-        self._inbox: queue.Queue = queue.Queue()
+        super().__init__(config, factory)
         self._rows: collections.deque = collections.deque()  # (request, input index), waiting
         self._waiting = 0  # requests queued and not yet finished
         self._running = 0  # rows in the step under way
-        self._stopping = False
         # Engines whose work comes first: while one is busy, this one runs at most
         # config.embedding_share of the time (engine.launch sets them: the server's generators).
         self.yield_to: list = []
-        self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}",
-                                        daemon=True)
-        self._thread.start()
+        self._start()
 
-    def _build(self):
-        runner = self._factory(self.config)
-        runner.warmup()
-        return runner
+    @property
+    def runner(self):
+        """The device side (rebuilt after a death)."""
+        return self._core
 
     # ---- front end (event loop) -----------------------------------------------------------
 
@@ -192,19 +180,7 @@ class EmbeddingEngine:
     def release_session(self, session: str) -> None:
         """(An embedding engine keeps no conversations.)"""
 
-    def shutdown(self) -> None:
-        self._stopping = True
-        self._inbox.put(None)
-        self._thread.join(timeout=30)
-
     # ---- engine thread --------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        while not self._stopping:
-            try:
-                self._serve()
-            except Exception as e:  # the runner died: fail its requests, rebuild it
-                self._reboot(e)
 
     def _serve(self) -> None:
         while not self._stopping:
@@ -219,7 +195,7 @@ class EmbeddingEngine:
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             while True:
-                if item is not None:
+                if item is not self.WAKE:
                     self._rows.extend((item, i) for i in range(len(item.inputs)))
                 item = self._inbox.get_nowait()
         except queue.Empty:
@@ -277,29 +253,14 @@ class EmbeddingEngine:
     def _giving_way(self) -> bool:
         return self.config.embedding_share < 1 and any(e.busy for e in self.yield_to)
 
-    def _reboot(self, error: Exception) -> None:
-        self.alive = False
-        logger.error("Engine %s is dead, rebooting", self.name, exc_info=error)
-        failed = EngineDeadError(f"engine {self.name} failed: {type(error).__name__}: {error}")
-        while True:  # what is queued fails too: nothing waits on a dead engine
+    def _fail_waiting(self, error: EngineDeadError) -> None:
+        while True:  # what is queued fails too
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
+            if item is not self.WAKE:
                 self._rows.append((item, 0))
         for request in {r for r, _ in self._rows}:
-            request.resolve(failed)
+            request.resolve(error)
         self._rows.clear()
-        old = self.runner
-        old.release()
-        while not self._stopping:
-            try:
-                self.runner = self._build()
-                break
-            except Exception:
-                logger.exception("Rebuilding engine %s failed; retrying in 1s", self.name)
-                time.sleep(1.0)
-        self.num_restarts += 1
-        self.alive = True
-        logger.info("Successfully rebooted engine %s", self.name)

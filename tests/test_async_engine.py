@@ -144,7 +144,7 @@ def test_full_waiting_queue_is_refused(tokenizer):
 
 def test_dead_engine_fails_requests_and_reboots(tokenizer, caplog):
     engine, runners = make_engine(tokenizer, name="victim")
-    caplog.set_level(logging.INFO, logger="engine.async_engine")
+    caplog.set_level(logging.INFO, logger="engine.engine_thread")
 
     async def main():
         runners[0].fail_next = True
