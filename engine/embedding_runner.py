@@ -27,7 +27,12 @@ from flax import nnx
 
 from engine.config import EngineConfig
 from engine.embedding_engine import embed_buckets
-from engine.executable_store import ExecutableStore, executable_store_dir, fingerprint
+from engine.executable_store import (
+    ExecutableStore,
+    executable_store_dir,
+    fingerprint,
+    load_or_compile,
+)
 from engine.step_table import compile_workers
 from models.pooling import PoolingConfig, pool
 from models.registry import model_kind
@@ -152,15 +157,10 @@ class EmbeddingRunner:
 
     def _compile(self, bucket: tuple[int, int]):
         size, rows = bucket
-        key = (f"embed{rows}", size)
-        stored = None if self.store is None else self.store.load(key)
-        if stored is not None:
-            return stored
         ids = jax.ShapeDtypeStruct((size,), jnp.int32)
         lens = jax.ShapeDtypeStruct((rows,), jnp.int32)
-        exe = jax.jit(self._fn).lower(self.params, ids, lens).compile()
-        if self.store is not None:
-            self.store.save(key, exe)
+        exe, _ = load_or_compile(self.store, (f"embed{rows}", size),
+                                 lambda: (jax.jit(self._fn).lower(self.params, ids, lens), None))
         return exe
 
     def warmup(self) -> float:

@@ -12,6 +12,13 @@ pages, the engine limits that shape the step's inputs, and the bucket. A hit is 
 deserialization, much cheaper than tracing and lowering (same section); anything unreadable
 or stale is compiled afresh and rewritten.
 
+A miss of that key (a new release, another configuration) lowers the step and looks for
+its program in the program index (`PROGRAMS`: a digest of the lowered module without source
+locations, its argument and result structure, the compile options, the runtime and devices,
+as XLA's own cache keys it): a change of source that leaves the step's program alone, or a
+configuration that shares a bucket's program with another, loads the executable compiled
+for it (and keeps a copy under its own key) instead of compiling it again.
+
 What is stored must be a fresh compile: an executable that XLA's persistent cache handed
 back serializes without some of its kernels on XLA:CPU (jax 0.10.2: "Function
 copy_dot_fusion not found" when the reloaded copy runs), and jax offers no per-compile way
@@ -33,6 +40,7 @@ import hashlib
 import logging
 import os
 import pickle
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -76,6 +84,11 @@ _ROOT = Path(__file__).resolve().parents[1]
 # user's disk notices.
 MAX_BYTES = 4 << 30
 
+# The program index: one file per program digest (ExecutableStore.program), holding the path
+# below the root of the file last stored for it.
+PROGRAMS = "programs"
+_STORED = re.compile(r"[0-9a-f]{32}/[a-z0-9]+-[0-9]+\.pkl")
+
 # EngineConfig fields that cannot change a compiled step (names, served limits, seeds).
 # Config fields that change no executable (the KV pool's size, however it was chosen, is in the
 # KV cache's shape, which the key holds).
@@ -104,25 +117,50 @@ def _abstract(tree) -> str:
                                  for x in leaves])
 
 
+def _runtime() -> list[str]:
+    """What decides an executable besides its program: jax, XLA and its flags, the devices,
+    our kernels' libraries (their names digest their sources)."""
+    if jax.default_backend() == "cpu":
+        for kernel in native.KERNELS:  # loaded before their identity is read: one key in
+            native.available(kernel)    # every process
+    return [
+        jax.__version__, jaxlib.__version__, jax.default_backend(),
+        repr([(d.platform, d.device_kind, d.id) for d in jax.devices()]),
+        os.environ.get("XLA_FLAGS", ""), repr(jax.config.jax_enable_x64),
+        repr(jax.config.jax_default_matmul_precision), native.identity(),
+    ]
+
+
 def fingerprint(config, graphdef, state, kv, dtype, kv_dtype) -> str:
     """The key shared by every executable of one runner (the bucket is added per file).
     `dtype`, `kv_dtype`: the compute and page dtypes the runner resolved config's to ("auto"
     and the dtype it chose compile the same steps, so they share them)."""
-    devices = jax.devices()
-    if jax.default_backend() == "cpu":
-        for kernel in native.KERNELS:  # loaded before their identity is read: one key in
-            native.available(kernel)    # every process
     fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _IRRELEVANT}
     fields.update(dtype=str(jnp.dtype(dtype)), kv_cache_dtype=str(jnp.dtype(kv_dtype)))
-    parts = [
-        jax.__version__, jaxlib.__version__, jax.default_backend(),
-        repr([(d.platform, d.device_kind, d.id) for d in devices]),
-        os.environ.get("XLA_FLAGS", ""), repr(jax.config.jax_enable_x64),
-        repr(jax.config.jax_default_matmul_precision), _code_digest(), native.identity(),
-        repr(graphdef),
-        _abstract(state), _abstract(kv), repr(sorted(fields.items())),
-    ]
+    parts = [*_runtime(), _code_digest(), repr(graphdef), _abstract(state), _abstract(kv),
+             repr(sorted(fields.items()))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def load_or_compile(store: ExecutableStore | None, bucket: tuple[str, int], lower):
+    """(executable, whether it came from `store`) of `bucket`: the one stored under the
+    store's key; else the one stored for the same program under another key (another
+    configuration or source that lowers to the same module), copied under this key; else
+    compiled and stored. `lower()` -> (a jax `Lowered`, its compile options or None), called
+    only on a miss of the key."""
+    exe = None if store is None else store.load(bucket)
+    if exe is not None:
+        return exe, True
+    lowered, options = lower()
+    if store is None:
+        return lowered.compile(options), False
+    program = store.program(lowered, options)
+    exe = store.load_program(program, bucket)
+    if exe is not None:
+        return exe, True
+    exe = lowered.compile(options)
+    store.save(bucket, exe, program)
+    return exe, False
 
 
 class ExecutableStore:
@@ -133,6 +171,7 @@ class ExecutableStore:
         ids = ",".join(str(d.id) for d in self.devices)
         self.root = Path(directory)
         self.name = hashlib.sha256(f"{key}:{ids}".encode()).hexdigest()[:32]
+        self.device_ids = ids
         self.directory = self.root / self.name
         self._refused: set[str] = set()  # what was warned about already
 
@@ -145,81 +184,131 @@ class ExecutableStore:
             self._refused.add(str(error))
             logger.warning("executable store: %s; compiling without it", error)
 
-    def _open(self, bucket: tuple[str, int]):
-        """The stored file of `bucket` opened for reading once it passed the checks, else None
-        (absent, or refused with a warning)."""
+    def _read(self, relative: str) -> bytes | None:
+        """root/relative's bytes once it passed the checks, else None (absent, or refused
+        with a warning)."""
         try:
-            return cache_trust.open_private(self.root, f"{self.name}/{self._path(bucket).name}")
+            with cache_trust.open_private(self.root, relative) as f:
+                return f.read()
         except FileNotFoundError:
             return None
         except OSError as e:  # UntrustedPath among them
             self._refuse(e)
             return None
 
+    def _relative(self, bucket: tuple[str, int]) -> str:
+        return f"{self.name}/{self._path(bucket).name}"
+
     def has(self, bucket: tuple[str, int]) -> bool:
         """Whether `bucket` has a stored file that passes the checks (`load` may still find
         it unreadable)."""
-        f = self._open(bucket)
-        if f is not None:
-            f.close()
-        return f is not None
+        try:
+            cache_trust.open_private(self.root, self._relative(bucket)).close()
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as e:  # UntrustedPath among them
+            self._refuse(e)
+            return False
 
     def load(self, bucket: tuple[str, int]):
         """The stored executable of `bucket`, or None (absent, refused by the checks,
         unreadable, or made by a runtime that cannot load it)."""
-        path = self._path(bucket)
-        f = self._open(bucket)
-        if f is None:
+        exe = self._deserialize(self._read(self._relative(bucket)), self._path(bucket))
+        if exe is not None:
+            os.utime(self.directory)  # recently used: kept by _prune
+        return exe
+
+    def _deserialize(self, blob: bytes | None, path: Path):
+        if blob is None:
             return None
         try:
-            with f:  # the very file checked, whatever its path names by now
-                serialized, in_tree, out_tree = pickle.load(f)
-            exe = serialize_executable.deserialize_and_load(
+            serialized, in_tree, out_tree = pickle.loads(blob)
+            return serialize_executable.deserialize_and_load(
                 serialized, in_tree, out_tree, execution_devices=self.devices)
-            os.utime(self.directory)  # recently used: kept by _prune
-            return exe
         except Exception as e:  # a torn or foreign file: compile instead, and rewrite it
             logger.warning("ignoring stored executable %s (%s: %s)", path, type(e).__name__, e)
             return None
 
-    def save(self, bucket: tuple[str, int], compiled) -> None:
+    # ---- the same program under another key ----------------------------------------------
+
+    def program(self, lowered, options: dict | None) -> str:
+        """The digest of what a compile takes: the lowered module (its shapes, shardings and
+        donations, without source locations), its argument and result structure, the compile
+        options, the runtime and devices."""
+        parts = [*_runtime(), self.device_ids, repr(sorted((options or {}).items())),
+                 repr(lowered.in_tree), repr(lowered.out_tree), lowered.as_text()]
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+    def load_program(self, program: str, bucket: tuple[str, int]):
+        """The executable compiled from `program` under another key (PROGRAMS indexes the file
+        each program was last stored in), saved under this key too; None when there is none."""
+        where = self._read(f"{PROGRAMS}/{program}")
+        if where is None or not _STORED.fullmatch(where.decode("ascii", "replace")):
+            return None
+        blob = self._read(where.decode())
+        exe = self._deserialize(blob, self.root / where.decode())
+        if exe is not None:
+            self._write(bucket, blob, program)
+        return exe
+
+    def save(self, bucket: tuple[str, int], compiled, program: str | None = None) -> None:
+        """Store `compiled` under this key (and, with its `program`, in the program index)."""
         try:
             blob = pickle.dumps(serialize_executable.serialize(compiled))
         except Exception as e:  # e.g. a backend that cannot serialize: nothing to keep
             logger.info("cannot store executable %s (%s: %s)", bucket, type(e).__name__, e)
             return
+        self._write(bucket, blob, program)
+
+    def _write(self, bucket: tuple[str, int], blob: bytes, program: str | None) -> None:
         new = not self.directory.exists()
         try:  # nothing is written into a directory that is not this user's alone
             cache_trust.private_dir(self.root, self.name)
+            if program is not None:
+                cache_trust.private_dir(self.root, PROGRAMS)
         except OSError as e:  # UntrustedPath among them
             self._refuse(e)
             return
         if new:
             self._prune()
-        # Written whole (mkstemp: 0600), then renamed over whatever the name held (a refused
-        # file too: its directory passed, and the rename never writes into it): a reader
-        # never sees half a file.
-        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, self._path(bucket))
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        _write_whole(self._path(bucket), blob)
+        if program is not None:  # the newest copy: the last to be pruned
+            _write_whole(self.root / PROGRAMS / program, self._relative(bucket).encode())
 
     def _prune(self) -> None:
         """Keep the most recently used configurations within MAX_BYTES (this one always):
         every source change or new engine configuration starts a directory, and nothing else
         removes them."""
         root = self.directory.parent
-        entries = sorted((d for d in root.iterdir() if d.is_dir() and d != self.directory),
+        entries = sorted((d for d in root.iterdir()
+                          if d.is_dir() and d != self.directory and d.name != PROGRAMS),
                          key=_mtime, reverse=True)
         total = _size(self.directory)
         for entry in entries:
             total += _size(entry)
             if total > MAX_BYTES:
                 shutil.rmtree(entry, ignore_errors=True)
+        for entry in (root / PROGRAMS).glob("*"):  # what points into removed directories
+            try:
+                if not (root / entry.read_text()).exists():
+                    entry.unlink()
+            except (OSError, UnicodeDecodeError):  # removed meanwhile, or not ours to read
+                pass
+
+
+def _write_whole(path: Path, blob: bytes) -> None:
+    """Written whole (mkstemp: 0600), then renamed over whatever the name held (a refused
+    file too: its directory passed, and the rename never writes into it): a reader never
+    sees half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _mtime(directory: Path) -> float:

@@ -31,7 +31,7 @@ from flax import nnx
 from engine import device
 from engine.batch import body_layout, body_tokens, empty_batch, float_layout, sampling_layout
 from engine.config import EngineConfig
-from engine.executable_store import ExecutableStore, fingerprint
+from engine.executable_store import ExecutableStore, fingerprint, load_or_compile
 from engine.grammar import mask_words
 from models.loader import release_host_memory
 from models.progress import progress_bar
@@ -158,16 +158,11 @@ class StepTable:
 
     def _load_or_compile(self, store, bucket: tuple[str, int], kv=None):
         """(executable, whether it came from `store`): compiled and stored when not there."""
-        exe = None if store is None else store.load(bucket)
-        if exe is not None:
-            return exe, True
-        exe = self._compile(bucket, kv)
-        if store is not None:
-            store.save(bucket, exe)
-        return exe, False
+        return load_or_compile(store, bucket, lambda: self._lower(bucket, kv))
 
-    def _compile(self, bucket: tuple[str, int], kv=None):
-        """`kv`: the pages (or their abstract shape) to compile the body against."""
+    def _lower(self, bucket: tuple[str, int], kv=None):
+        """(the bucket's step lowered, its compile options); `kv`: the pages (or their
+        abstract shape) to lower the body against."""
         kind, size = bucket
         cfg = self.config
         counts, mask, last = self.slot_state
@@ -207,7 +202,7 @@ class StepTable:
             abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=everywhere)
         options = (BATCH_INVARIANT_CPU_OPTIONS
                    if cfg.batch_invariant and jax.default_backend() == "cpu" else None)
-        return step.lower(*device_args, *jax.tree.map(abstract, host_args)).compile(options)
+        return step.lower(*device_args, *jax.tree.map(abstract, host_args)), options
 
     def warmup(self, progress=None) -> float:
         """Compile every executable of the table (several at a time: XLA's compiler is largely

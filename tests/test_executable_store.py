@@ -83,6 +83,48 @@ def test_another_shape_or_a_broken_file_is_compiled(tiny, store_dir, caplog):
     assert last.num_stored_loads == 1
 
 
+def test_a_source_change_that_leaves_the_program_alone_loads_it(tiny, store_dir, monkeypatch):
+    """Another key (here: another source digest) whose step lowers to the same program loads
+    the executable stored for it and keeps a copy under its own key; a program that differs
+    (wider page tables) still compiles."""
+    from engine import executable_store
+
+    first = ModelRunner(_config(tiny))
+    expected = _step(first)  # compiles what the step needs, on demand
+    compiled = sorted(p.name for p in first.store.directory.iterdir())
+    assert first.num_stored_loads == 0 and compiled
+    monkeypatch.setattr(executable_store, "_code_digest", lambda: "another source")
+    changed = ModelRunner(_config(tiny))
+    assert changed.store.directory != first.store.directory
+    np.testing.assert_array_equal(_step(changed), expected)
+    assert changed.num_stored_loads == len(compiled)  # nothing compiled
+    assert sorted(p.name for p in changed.store.directory.iterdir()) == compiled
+    wider = ModelRunner(_config(tiny, max_model_len=128))
+    wider.compile_bucket(("tokens", 2))
+    assert wider.num_stored_loads == 0
+    # An index entry whose file went (pruned) is a miss: compiled and stored again.
+    import shutil
+    shutil.rmtree(changed.store.directory)
+    shutil.rmtree(first.store.directory)
+    again = ModelRunner(_config(tiny))
+    again.compile_bucket(("seqs", 1))
+    assert again.num_stored_loads == 0 and again.store.has(("seqs", 1))
+
+
+def test_a_program_index_entry_others_could_write_is_refused(tiny, store_dir, monkeypatch,
+                                                             caplog):
+    from engine import executable_store
+
+    ModelRunner(_config(tiny)).compile_bucket(("seqs", 1))
+    (entry,) = (store_dir / "programs").iterdir()
+    entry.chmod(0o620)
+    monkeypatch.setattr(executable_store, "_code_digest", lambda: "another source")
+    changed = ModelRunner(_config(tiny))
+    changed.compile_bucket(("seqs", 1))
+    assert changed.num_stored_loads == 0  # compiled, not loaded through the entry
+    assert f"{entry} is writable by group (mode 0620)" in caplog.text
+
+
 def test_auto_shares_the_steps_of_the_dtypes_it_chose(tiny, store_dir):
     """On CPU, "auto" is float32 compute and float16 pages: the same key as naming them."""
     auto = ModelRunner(_config(tiny, dtype="auto", kv_cache_dtype="auto"))
@@ -112,7 +154,7 @@ def test_the_least_recently_used_configurations_go_past_the_size_cap(tiny, store
         runner.compile_bucket(("seqs", 1))
         os.utime(runner.store.directory, (1000 + i, 1000 + i))  # oldest first
         dirs.append(runner.store.directory)
-    kept = sorted(d for d in store_dir.iterdir() if d.is_dir())
+    kept = sorted(d for d in store_dir.iterdir() if d.is_dir() and d.name != "programs")
     assert kept == sorted(dirs[1:])
 
 
