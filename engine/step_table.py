@@ -289,8 +289,8 @@ class StepTable:
             logger.warning("compiling in a child process failed (exit %d); compiling here. "
                            "Its output ended with: %s", proc.returncode, proc.stderr[-2000:])
             return
-        logger.info("The child compiled %d executables in %.2fs.", len(buckets),
-                    time.perf_counter() - start)
+        logger.info("The child stored %d executables in %.2fs (compiled, or found by their "
+                    "program).", len(buckets), time.perf_counter() - start)
 
     def _log_memory(self, rss_before_warmup: int | None) -> None:
         """The startup memory breakdown: what the process holds once ready, and of what."""
