@@ -6,6 +6,8 @@ the same client and prompts: `python -m engine.bench serve` at several concurren
     python scripts/bench_servers.py --llama-cpp-python /venv/bin/python --out bench-results/
     python scripts/bench_servers.py --cpu-kernels auto,avx2,none ...   # each kernel variant
     python scripts/bench_servers.py --task embed --llama-cpp-server PATH  # /v1/embeddings
+    python scripts/bench_servers.py --dataset tests/data/grounded_prompts.jsonl --speculative \
+        --llama-cpp-server PATH --concurrency 1 64      # each server with and without drafting
 
 Each server is started, waited for, benchmarked at every concurrency and stopped before
 the next one starts, so they never share the CPU. Prompts are random text of common
@@ -14,6 +16,12 @@ request asks for exactly --output-len tokens (ignore_eos / min_tokens), and the 
 counts the requests that came back with another length. Each server's time from start to
 ready and its resident memory once ready are kept too, and so are the machine's matmul
 and copy ceilings, measured before and after.
+
+`--dataset FILE` sends conversations from a JSON-lines file to /v1/chat/completions instead
+(`engine.bench serve --dataset`), e.g. the edits and quoted summaries of
+tests/data/grounded_prompts.jsonl. `--speculative` runs each server a second time with
+speculative decoding by prompt lookup, named NAME+spec: xlaserve with `--speculative-config
+SPEC_JSON` (--xlaserve-spec), llama-server with `--spec-type ngram-simple` (--llama-spec).
 
 `--task embed` measures /v1/embeddings instead (`python -m engine.bench serve --task embed`):
 xlaserve serving all-MiniLM-L6-v2 against `llama-server --embedding --pooling mean` on the
@@ -99,8 +107,14 @@ def served_model(args) -> str:
 def server_command(name: str, args, gguf: str, port: int) -> tuple[list[str], str]:
     """The command line that serves the task's model on port, and its ready path."""
     embed = args.task == "embed"
-    # room for prompts a token or two longer ([CLS] and [SEP] for the embedding model)
-    ctx = args.input_len + (0 if embed else args.output_len) + 64
+    # room for prompts a token or two longer ([CLS] and [SEP] for the embedding model); a
+    # dataset's conversations: up to 1,024 tokens
+    ctx = (1024 if args.dataset else args.input_len) + (0 if embed else args.output_len) + 64
+    if name.endswith("+spec"):
+        cmd, ready = server_command(name.removesuffix("+spec"), args, gguf, port)
+        if name.startswith("xlaserve"):
+            return [*cmd, "--speculative-config", args.xlaserve_spec], ready
+        return [*cmd, *args.llama_spec.split()], ready
     if name.startswith("xlaserve"):
         # Default flags: what a new user runs (--xlaserve-args adds any; "xlaserve-avx2":
         # --cpu-kernels avx2).
@@ -174,11 +188,13 @@ def embedding_gguf(model_dir: Path, source: Path) -> Path:
 
 def bench(url: str, label: str, concurrency: int, args, out: Path) -> dict:
     path = out / f"{label}-c{concurrency}.json"
-    task = (["--task", "embed"] if args.task == "embed" else
-            ["--output-len", str(args.output_len), "--ignore-eos", "--text-prompts"])
+    prompts = (["--dataset", str(args.dataset)] if args.dataset else
+               ["--input-len", str(args.input_len), "--text-prompts"])
+    task = (["--task", "embed", "--input-len", str(args.input_len)] if args.task == "embed" else
+            ["--output-len", str(args.output_len), "--ignore-eos", *prompts])
     cmd = [sys.executable, "-m", "engine.bench", "serve", "--base-url", url, "--model",
-           served_model(args), "--num-prompts", str(args.num_prompts), "--input-len",
-           str(args.input_len), *task, "--max-concurrency", str(concurrency), "--no-ceilings",
+           served_model(args), "--num-prompts", str(args.num_prompts), *task,
+           "--max-concurrency", str(concurrency), "--no-ceilings",
            # new prompts at each level, so no run is served from an earlier run's prefix cache
            "--seed", str(concurrency),
            "--label", f"{label} c={concurrency}", "--output", str(path)]
@@ -206,6 +222,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--servers", type=lambda s: s.split(","),
                    help=f"comma-separated, from {','.join(SERVERS)} (default: xlaserve and "
                         "each server whose path is given)")
+    p.add_argument("--dataset", metavar="FILE", default=None,
+                   help="conversations ({'messages': [...]} a line) sent to /v1/chat/completions "
+                        "instead of random text (--input-len is then ignored)")
+    p.add_argument("--speculative", action="store_true",
+                   help="each server also with speculative decoding by prompt lookup (NAME+spec)")
+    p.add_argument("--xlaserve-spec", default='{"method":"ngram","num_speculative_tokens":4}',
+                   help="xlaserve+spec's --speculative-config")
+    p.add_argument("--llama-spec", default="--spec-type ngram-simple",
+                   help="llama-cpp-server+spec's extra flags")
     p.add_argument("--xlaserve-args", default="", help="extra flags for python -m server")
     p.add_argument("--cpu-kernels", type=lambda s: s.split(","), default=["auto"],
                    help="comma-separated --cpu-kernels values: one xlaserve server each, "
@@ -241,7 +266,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.servers = [s for name in args.servers for s in (
         [name if k == "auto" else f"{name}-{k}" for k in args.cpu_kernels]
         if name == "xlaserve" else [name])]
+    if args.speculative:
+        if embed or "llama-cpp-python" in args.servers:
+            p.error("--speculative measures xlaserve and llama-cpp-server generating")
+        args.servers = [s for name in args.servers for s in (name, f"{name}+spec")]
     for name in args.servers:
+        name = name.removesuffix("+spec")
         if name.split("-", 1)[0] == "xlaserve":
             continue
         if name not in SERVERS:

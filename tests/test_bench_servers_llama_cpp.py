@@ -56,6 +56,22 @@ def test_llama_server_gets_one_slot_per_concurrent_request_each_at_least_as_long
     assert ours[1:] == ["-m", "server", "--port", "1"]
 
 
+def test_speculative_runs_each_server_again_with_prompt_lookup():
+    args = bench_servers.parse_args(["--llama-cpp-server", "/bin/llama-server", "--speculative",
+                                     "--dataset", "tests/data/grounded_prompts.jsonl"])
+    assert args.servers == ["xlaserve", "xlaserve+spec", "llama-cpp-server",
+                            "llama-cpp-server+spec"]
+    ours, _ = bench_servers.server_command("xlaserve+spec", args, "/m.gguf", 1)
+    assert ours[1:] == ["-m", "server", "--port", "1", "--speculative-config",
+                        '{"method":"ngram","num_speculative_tokens":4}']
+    plain, _ = bench_servers.server_command("llama-cpp-server", args, "/m.gguf", 1)
+    theirs, _ = bench_servers.server_command("llama-cpp-server+spec", args, "/m.gguf", 1)
+    assert theirs == [*plain, "--spec-type", "ngram-simple"]
+    assert int(plain[plain.index("-c") + 1]) // 64 >= 1024 + 128  # a conversation and its reply
+    with pytest.raises(SystemExit):
+        bench_servers.parse_args(["--speculative", "--task", "embed"])
+
+
 def test_wrong_lengths_counts_completed_requests_only():
     run = {"requested_output_lens": [8, 8, 8, 8], "output_lens": [8, 7, 0, 9],
            "errors": ["", "", "HTTP 500", ""]}
