@@ -21,7 +21,10 @@ and copy ceilings, measured before and after.
 (`engine.bench serve --dataset`), e.g. the edits and quoted summaries of
 tests/data/grounded_prompts.jsonl. `--speculative` runs each server a second time with
 speculative decoding by prompt lookup, named NAME+spec: xlaserve with `--speculative-config
-SPEC_JSON` (--xlaserve-spec), llama-server with `--spec-type ngram-simple` (--llama-spec).
+SPEC_JSON` (--xlaserve-spec), llama-server with `--spec-type ngram-simple` (--llama-spec);
+with `--draft-model NAME` (a known model sharing the vocabulary of `--model NAME`), by that
+model's drafts instead: xlaserve's `{"model": FILE, "num_speculative_tokens": 4}`, llama-server's
+`-md FILE --spec-draft-n-max 4`.
 
 `--task embed` measures /v1/embeddings instead (`python -m engine.bench serve --task embed`):
 xlaserve serving all-MiniLM-L6-v2 against `llama-server --embedding --pooling mean` on the
@@ -101,7 +104,9 @@ def running(cmd: list[str], url: str, ready_path: str, log: Path, timeout: float
 
 def served_model(args) -> str:
     """The model name both the servers and the client use."""
-    return known_model(EMBED_MODEL).served_name if args.task == "embed" else SERVED_NAME
+    if args.task == "embed":
+        return known_model(EMBED_MODEL).served_name
+    return known_model(args.model).served_name if args.model else SERVED_NAME
 
 
 def server_command(name: str, args, gguf: str, port: int) -> tuple[list[str], str]:
@@ -119,7 +124,7 @@ def server_command(name: str, args, gguf: str, port: int) -> tuple[list[str], st
         # Default flags: what a new user runs (--xlaserve-args adds any; "xlaserve-avx2":
         # --cpu-kernels avx2).
         kernels = ["--cpu-kernels", name.split("-", 1)[1]] if "-" in name else []
-        model = ["--model", EMBED_MODEL] if embed else []
+        model = ["--model", EMBED_MODEL] if embed else ["--model", args.model] if args.model else []
         return [sys.executable, "-m", "server", *model, "--port", str(port), *kernels,
                 *args.xlaserve_args.split()], "/health"
     if name == "llama-cpp-server":
@@ -138,7 +143,7 @@ def server_command(name: str, args, gguf: str, port: int) -> tuple[list[str], st
     if name == "llama-cpp-python":
         threads = str(args.llama_threads)
         return [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", gguf,
-                "--model_alias", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+                "--model_alias", served_model(args), "--host", "127.0.0.1", "--port", str(port),
                 "--n_ctx", str(ctx), "--n_threads", threads, "--n_threads_batch", threads,
                 # queue concurrent requests instead of cutting off the stream in progress
                 "--interrupt_requests", "False"], "/v1/models"
@@ -222,6 +227,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--servers", type=lambda s: s.split(","),
                    help=f"comma-separated, from {','.join(SERVERS)} (default: xlaserve and "
                         "each server whose path is given)")
+    p.add_argument("--model", default=None,
+                   help="a known model's name (scripts/fetch_model.py) instead of the default "
+                        "model: its GGUF file for the llama.cpp servers, --model NAME for "
+                        "xlaserve (with --xlaserve-args for its flags, e.g. --quantization)")
+    p.add_argument("--draft-model", default=None,
+                   help="--speculative: a known model drafting for --model (both servers)")
     p.add_argument("--dataset", metavar="FILE", default=None,
                    help="conversations ({'messages': [...]} a line) sent to /v1/chat/completions "
                         "instead of random text (--input-len is then ignored)")
@@ -266,6 +277,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.servers = [s for name in args.servers for s in (
         [name if k == "auto" else f"{name}-{k}" for k in args.cpu_kernels]
         if name == "xlaserve" else [name])]
+    if args.draft_model:
+        if not args.speculative:
+            p.error("--draft-model drafts for --speculative runs")
+        draft = str(fetch_model(args.draft_model))
+        args.xlaserve_spec = json.dumps({"model": draft, "num_speculative_tokens": 4})
+        args.llama_spec = f"-md {draft} --spec-draft-n-max 4"
+    if args.model and embed:
+        p.error("--task embed measures its own model")
     if args.speculative:
         if embed or "llama-cpp-python" in args.servers:
             p.error("--speculative measures xlaserve and llama-cpp-server generating")
@@ -287,7 +306,7 @@ def model_file(args) -> str:
     """What the llama.cpp servers load: the default model's GGUF file, or (embed) the
     embedding model converted; xlaserve names its model itself."""
     if args.task != "embed":
-        return str(fetch_default_model())
+        return str(fetch_model(args.model) if args.model else fetch_default_model())
     model_dir = fetch_model(EMBED_MODEL)
     if "llama-cpp-server" not in args.servers:
         return ""

@@ -70,6 +70,23 @@ def test_speculative_runs_each_server_again_with_prompt_lookup():
     assert int(plain[plain.index("-c") + 1]) // 64 >= 1024 + 128  # a conversation and its reply
     with pytest.raises(SystemExit):
         bench_servers.parse_args(["--speculative", "--task", "embed"])
+    with pytest.raises(SystemExit):  # a draft model is for --speculative runs
+        bench_servers.parse_args(["--draft-model", "qwen2.5-coder-0.5b"])
+
+
+def test_a_draft_model_drafts_for_both_servers(monkeypatch):
+    monkeypatch.setattr(bench_servers, "fetch_model", lambda name: f"/cache/{name}.gguf")
+    args = bench_servers.parse_args(["--llama-cpp-server", "/bin/llama-server", "--speculative",
+                                     "--model", "qwen2.5-coder-1.5b",
+                                     "--draft-model", "qwen2.5-coder-0.5b"])
+    assert bench_servers.model_file(args) == "/cache/qwen2.5-coder-1.5b.gguf"
+    assert bench_servers.served_model(args) == "Qwen2.5-Coder-1.5B-Instruct"
+    ours, _ = bench_servers.server_command("xlaserve+spec", args, "/m.gguf", 1)
+    assert ours[1:] == ["-m", "server", "--model", "qwen2.5-coder-1.5b", "--port", "1",
+                        "--speculative-config",
+                        '{"model": "/cache/qwen2.5-coder-0.5b.gguf", "num_speculative_tokens": 4}']
+    theirs, _ = bench_servers.server_command("llama-cpp-server+spec", args, "/m.gguf", 1)
+    assert theirs[-4:] == ["-md", "/cache/qwen2.5-coder-0.5b.gguf", "--spec-draft-n-max", "4"]
 
 
 def test_wrong_lengths_counts_completed_requests_only():
