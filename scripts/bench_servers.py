@@ -24,7 +24,7 @@ speculative decoding by prompt lookup, named NAME+spec: xlaserve with `--specula
 SPEC_JSON` (--xlaserve-spec), llama-server with `--spec-type ngram-simple` (--llama-spec);
 with `--draft-model NAME` (a known model sharing the vocabulary of `--model NAME`), by that
 model's drafts instead: xlaserve's `{"model": FILE, "num_speculative_tokens": 4}`, llama-server's
-`-md FILE --spec-draft-n-max 4`.
+`--spec-type draft-simple -md FILE --spec-draft-n-max 4`.
 
 `--task embed` measures /v1/embeddings instead (`python -m engine.bench serve --task embed`):
 xlaserve serving all-MiniLM-L6-v2 against `llama-server --embedding --pooling mean` on the
@@ -282,7 +282,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error("--draft-model drafts for --speculative runs")
         draft = str(fetch_model(args.draft_model))
         args.xlaserve_spec = json.dumps({"model": draft, "num_speculative_tokens": 4})
-        args.llama_spec = f"-md {draft} --spec-draft-n-max 4"
+        args.llama_spec = f"--spec-type draft-simple -md {draft} --spec-draft-n-max 4"
     if args.model and embed:
         p.error("--task embed measures its own model")
     if args.speculative:

@@ -86,7 +86,8 @@ def test_a_draft_model_drafts_for_both_servers(monkeypatch):
                         "--speculative-config",
                         '{"model": "/cache/qwen2.5-coder-0.5b.gguf", "num_speculative_tokens": 4}']
     theirs, _ = bench_servers.server_command("llama-cpp-server+spec", args, "/m.gguf", 1)
-    assert theirs[-4:] == ["-md", "/cache/qwen2.5-coder-0.5b.gguf", "--spec-draft-n-max", "4"]
+    assert theirs[-6:] == ["--spec-type", "draft-simple", "-md", "/cache/qwen2.5-coder-0.5b.gguf",
+                           "--spec-draft-n-max", "4"]
 
 
 def test_wrong_lengths_counts_completed_requests_only():
