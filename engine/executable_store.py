@@ -184,17 +184,23 @@ class ExecutableStore:
             self._refused.add(str(error))
             logger.warning("executable store: %s; compiling without it", error)
 
-    def _read(self, relative: str) -> bytes | None:
-        """root/relative's bytes once it passed the checks, else None (absent, or refused
-        with a warning)."""
+    def _open(self, relative: str):
+        """root/relative opened for reading once it passed the checks, else None (absent, or
+        refused with a warning)."""
         try:
-            with cache_trust.open_private(self.root, relative) as f:
-                return f.read()
+            return cache_trust.open_private(self.root, relative)
         except FileNotFoundError:
             return None
         except OSError as e:  # UntrustedPath among them
             self._refuse(e)
             return None
+
+    def _read(self, relative: str) -> bytes | None:
+        f = self._open(relative)
+        if f is None:
+            return None
+        with f:  # the very file checked, whatever its path names by now
+            return f.read()
 
     def _relative(self, bucket: tuple[str, int]) -> str:
         return f"{self.name}/{self._path(bucket).name}"
@@ -202,14 +208,10 @@ class ExecutableStore:
     def has(self, bucket: tuple[str, int]) -> bool:
         """Whether `bucket` has a stored file that passes the checks (`load` may still find
         it unreadable)."""
-        try:
-            cache_trust.open_private(self.root, self._relative(bucket)).close()
-            return True
-        except FileNotFoundError:
-            return False
-        except OSError as e:  # UntrustedPath among them
-            self._refuse(e)
-            return False
+        f = self._open(self._relative(bucket))
+        if f is not None:
+            f.close()
+        return f is not None
 
     def load(self, bucket: tuple[str, int]):
         """The stored executable of `bucket`, or None (absent, refused by the checks,
