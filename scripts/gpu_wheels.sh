@@ -8,7 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 version() { python3 -c "import importlib.metadata as m; print(m.version('$1'))"; }
 wheels=()
-for name in gguf starlette uvicorn pydantic pydantic-core annotated-types typing-inspection typing-extensions llguidance pytest-xdist execnet; do
+# The server imports the MCP SDK (server/mcp_endpoint.py): mcp and what it needs beyond the image.
+for name in gguf starlette uvicorn pydantic pydantic-core annotated-types typing-inspection typing-extensions llguidance pytest-xdist execnet \
+    mcp mcp-types anyio httpx2 httpcore2 truststore jsonschema jsonschema-specifications referencing rpds-py \
+    opentelemetry-api pyjwt python-multipart sse-starlette; do
   wheels+=("$name==$(version "$name")")
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
