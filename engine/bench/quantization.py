@@ -201,20 +201,27 @@ def main(argv=None) -> int:
           f"[{args.in_features} -> {args.out_features}] x {args.layers} layers; copy "
           f"{ceilings['copy_bytes_per_s'] / 1e9:.0f} GB/s, matmul "
           f"{ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s", flush=True)
-    rows = [run(name, r, layout, args, dtype, ceilings)
-            for r in map(int, args.rows.split(",")) for layout in args.layouts.split(",")
-            for name in args.formats.split(",")]
+    rows, failed = [], []
+    for r in map(int, args.rows.split(",")):
+        for layout in args.layouts.split(","):
+            for name in args.formats.split(","):
+                try:
+                    rows.append(run(name, r, layout, args, dtype, ceilings))
+                except jax.errors.JaxRuntimeError as e:  # e.g. blocks past the shared memory
+                    failed.append({"format": name, "rows": r, "layout": layout,
+                                   "error": str(e).splitlines()[0]})
+                    print(f"FAILED: {name} {layout} rows={r}: {failed[-1]['error']}", flush=True)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"device": dev.device_kind, "platform": jax.default_backend(),
                        "host": platform.node(), "jax": jax.__version__, "dtype": str(dtype),
                        "shape": [args.in_features, args.out_features], "layers": args.layers,
-                       **ceilings, "rows": rows}, f, indent=1)
+                       **ceilings, "rows": rows, "failed": failed}, f, indent=1)
     # A wrong product fails the run: bfloat16 inputs round at ~4e-3; float32 sums far below.
     bad = [r for r in rows if not r["rel_err"] < (2e-2 if dtype.itemsize == 2 else 1e-4)]
     for r in bad:
         print(f"WRONG: {r['format']} rows={r['rows']} rel err {r['rel_err']:.1e}")
-    return 1 if bad else 0
+    return 1 if bad or failed else 0
 
 
 if __name__ == "__main__":
