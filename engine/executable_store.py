@@ -136,7 +136,10 @@ def fingerprint(config, graphdef, state, kv, dtype, kv_dtype) -> str:
     `dtype`, `kv_dtype`: the compute and page dtypes the runner resolved config's to ("auto"
     and the dtype it chose compile the same steps, so they share them)."""
     fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _IRRELEVANT}
-    fields.update(dtype=str(jnp.dtype(dtype)), kv_cache_dtype=str(jnp.dtype(kv_dtype)))
+    fields.update(dtype=str(jnp.dtype(dtype)), kv_cache_dtype=str(jnp.dtype(kv_dtype)),
+                  # The task as run: a runner with pages generates ("auto" too), one without
+                  # embeds (EmbeddingRunner), so the server and engine.bench share steps.
+                  task="embed" if kv is None else "generate")
     parts = [*_runtime(), _code_digest(), repr(graphdef), _abstract(state), _abstract(kv),
              repr(sorted(fields.items()))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]

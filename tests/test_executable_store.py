@@ -134,6 +134,13 @@ def test_auto_shares_the_steps_of_the_dtypes_it_chose(tiny, store_dir):
     assert auto.store.directory == named.store.directory != other.store.directory
 
 
+def test_the_task_auto_shares_the_steps_of_generate(tiny, store_dir):
+    """The server resolves --task auto to generate and engine.bench leaves it auto: one key."""
+    auto = ModelRunner(_config(tiny, task="auto"))
+    generate = ModelRunner(_config(tiny, task="generate"))
+    assert auto.store.directory == generate.store.directory
+
+
 def test_no_store_when_turned_off(default_gguf, monkeypatch):
     monkeypatch.setenv("XLASERVE_COMPILE_CACHE", "off")
     assert ModelRunner(_config(default_gguf)).store is None
