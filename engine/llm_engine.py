@@ -95,6 +95,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._next_id = 0
         self.num_aborted = 0  # requests aborted before they finished (client gone)
+        self.num_steps = 0  # steps dispatched (engine.profiling counts a trace's steps)
 
     def warmup(self) -> None:
         """Compile (or load) every executable the steps will run: the target's, and a draft
@@ -221,6 +222,7 @@ class LLMEngine:
                                                      batch.bucket[1])
             submitted = time.perf_counter()
             launched = out, self.runner.submit(batch)
+            self.num_steps += 1
         if not overlap:
             if launched is None:
                 return outputs

@@ -77,12 +77,15 @@ def rss_mib(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def running(cmd: list[str], url: str, ready_path: str, log: Path, timeout: float = 900):
-    """Start cmd, wait for a 200 from url + ready_path, yield how long that took and the
-    process's resident memory then; stop it on exit."""
+def running(cmd: list[str], url: str, ready_path: str, log: Path, timeout: float = 900,
+            env: dict[str, str] | None = None):
+    """Start cmd (with `env` added to the environment), wait for a 200 from url +
+    ready_path, yield how long that took and the process's resident memory then; stop it
+    on exit."""
     start = time.monotonic()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env=None if env is None else {**os.environ, **env})
     try:
         while True:
             if proc.poll() is not None:

@@ -12,9 +12,11 @@ leaves no time for are reported as skipped):
    attention backend `auto` picks, nvidia-smi.
 2. `python -m engine.bench --random-weights --config llama-3-8b --dtype bfloat16` at batch 1
    (one sequence's limits: a few executables), in bfloat16, `--quantization int8` and
-   `int4`: TPOT beside its floor (weight + KV bytes a step over the same run's read
-   bandwidth, a sum over a 4 GiB array), ready time from an empty compile cache, and the
-   count of whole layer matrices the compiled step copies or converts (0: read in place).
+   `int4` (XLA's autotuning off: its compile ran past the limit): TPOT beside its floor
+   (weight + KV bytes a step over the same run's read bandwidth, a sum over a 4 GiB
+   array), ready time from an empty compile cache, and the
+   count of whole layer matrices the compiled step copies or converts (0: read in place);
+   bf16's decode traced (`--profile`: the device's busy time a step, its events, the host's).
 3. `python -m engine.bench.quantization`: float, int8 and int4 matmuls of the 8B MLP's shape at
    1 and 64 rows, each layer's weights sliced as a scan does and at constant indices,
    float and int8 weights through ops/pallas_gpu_matmul too (two block shapes each), and
@@ -32,8 +34,8 @@ leaves no time for are reported as skipped):
    (`speculative`: the TPOT ratio and the acceptance); `--parity-model` and
    `--parity-reference` may be given again for more models (parity only, steps `parity_2`...).
 7. the engine bench for the default model's shape (smollm2-135m) at batch 1: TPOT beside
-   its matmuls alone (`dense_t1`); then again with the layer loop inside the step's command
-   buffer (XLA_FLAGS `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`).
+   its matmuls alone (`dense_t1`), its decode traced; then again with the layer loop inside
+   the step's command buffer (XLA_FLAGS `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`).
 8. the 8B engine at batch 64 with `--layer-loop scan` (the baseline of step 4).
 9. kernel tests: the attention kernels over float16, bfloat16, fp8 and int8 KV pages, and
    tests/test_pallas_gpu_attention.py, compiled for the GPU (interpret mode and a subset
@@ -113,12 +115,21 @@ def main(argv=None) -> int:
     def wanted(name: str) -> bool:
         return name not in skip
 
+    def profile(name: str) -> tuple[str, ...]:
+        """engine.bench's --profile: 20 decode steps traced into DIR/NAME-trace."""
+        return ("--profile", str(out / f"{name}-trace"))
+
     # Most wanted first (the deadline skips what is left).
     for q, limit in (("", 100), ("int8", 110), ("int4", 60)):
         name = f"engine_{label}_b1" + (f"_{q}" if q else "")
-        if wanted(name):
+        # int4's first compile ran past 60 s on an H200 (2026-11-28): without XLA's autotuning
+        # of its products, the suspect, so that a time at all comes back.
+        env = ({"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+                              + " --xla_gpu_autotune_level=0").strip()}
+               if q == "int4" and not smoke else None)
+        if wanted(name):  # bf16's step traced too: where a step's time goes
             steps.append(engine_bench(name, big, dtype, 1, out, 240 if smoke else limit, smoke,
-                                      q or None))
+                                      q or None, extra=() if q else profile(name), env=env))
 
     if wanted("quant_bench"):
         # The layer loops, scanned (XLA:GPU copied each float layer's slice) and unrolled, and
@@ -157,7 +168,7 @@ def main(argv=None) -> int:
             steps.append(speculative(out, model, dtype, 300 if smoke else 100, smoke))
     if not smoke and wanted("engine_smollm2_135m_b1"):
         steps.append(engine_bench("engine_smollm2_135m_b1", "smollm2-135m", dtype, 1, out, 50,
-                                  smoke))
+                                  smoke, extra=profile("engine_smollm2_135m_b1")))
     if not smoke and wanted("engine_smollm2_135m_b1_graphs"):
         # The same with the layer loop inside the step's command buffer (a CUDA graph with
         # conditional nodes), not one launch of its body an iteration from the host.

@@ -43,6 +43,12 @@ def markdown(report: dict) -> str:
                          f"{f('read_bytes_per_s', 1e-9, '{:.0f}')} | "
                          f"{f('copy_bytes_per_s', 1e-9, '{:.0f}')} | {copies} | "
                          f"{f('ready_s')} | {f('warmup_s')} |")
+    for s in benches:  # engine.bench --profile: where a decode step's time goes
+        prof = s["result"].get("profile")
+        if prof:
+            from engine.profiling import describe  # the checkout's: on sys.path by then
+
+            lines += ["", f"{s['name']}, traced:", "", "```", describe(prof), "```"]
     net = next((s for s in report["steps"] if s["name"] == "online"), None)
     if net:
         lines += ["", f"Online (`python -m server --load-format dummy`, ready in "
@@ -53,6 +59,13 @@ def markdown(report: dict) -> str:
             r = net[key]
             lines.append(f"| {key[1:]} | {r['median_tpot_ms']:.2f} | {r['median_ttft_ms']:.1f} | "
                          f"{r['output_throughput']:.1f} | {r['completed']} |")
+        if net.get("profile"):
+            from engine.profiling import describe
+
+            r = net["profiled"]
+            lines += ["", f"The server traced at {r['completed']} streams (TPOT "
+                      f"{r['median_tpot_ms']:.2f} ms while tracing):", "", "```",
+                      describe(net["profile"]), "```"]
     for par in (s for s in report["steps"] if _is_parity(s["name"]) and s.get("result")):
         r = par["result"]
         lines += ["", f"Parity of {Path(par['cmd'][par['cmd'].index('--model') + 1]).name} "

@@ -21,7 +21,7 @@ ENGINE_FIELDS = ("ready_s", "warmup_s", "num_executables", "num_blocks", "matmul
                  "copy_bytes_per_s", "read_bytes_per_s", "dense_t1_ms", "median_ttft_ms",
                  "median_tpot_ms", "output_throughput", "ceiling_fraction",
                  "compilations_after_warmup", "weight_copies", "spec_acceptance_rate",
-                 "spec_mean_accepted_length")
+                 "spec_mean_accepted_length", "profile")
 # Weight bytes a decode reads per weight, by --quantization (scales and norms: ~0.1-3% more).
 WEIGHT_ITEMSIZE = {"int8": 1, "int4": 0.5}
 
@@ -228,10 +228,11 @@ def _serve_checks(url: str, step: dict) -> str:
 
 
 def server_step(name: str, out: Path, model: str, server_args: list[str], timeout: float,
-                check) -> dict:
-    """Step `name`: `python -m server --model MODEL SERVER_ARGS` on a free port (its log in
-    DIR/name.log) and, once it answers /health, `check(url, step, left)`, which fills in `step`
-    and its "ok" (`left()`: the seconds the step has left)."""
+                check, env: dict[str, str] | None = None) -> dict:
+    """Step `name`: `python -m server --model MODEL SERVER_ARGS` (`env` added to its
+    environment) on a free port (its log in DIR/name.log) and, once it answers /health,
+    `check(url, step, left)`, which fills in `step` and its "ok" (`left()`: the seconds the
+    step has left)."""
     from bench_servers import free_port, running
 
     start = time.perf_counter()
@@ -245,7 +246,7 @@ def server_step(name: str, out: Path, model: str, server_args: list[str], timeou
     print(f"=== {name}: {' '.join(cmd)}", flush=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        with running(cmd, url, "/health", out / f"{name}.log", timeout) as ready:
+        with running(cmd, url, "/health", out / f"{name}.log", timeout, env) as ready:
             step["ready_s"] = ready["ready_after_s"]
             check(url, step, lambda: _limit(timeout - (time.perf_counter() - start)))
     except Exception as e:  # reported, never raised: the report is the product here
@@ -261,7 +262,9 @@ def online(out: Path, preset: str, dtype: str, offline: dict, timeout: float,
            smoke: bool) -> dict:
     """The server on random weights of `preset` (--load-format dummy) with the offline
     batch-64 run's limits and KV pages (so the executables it stored serve here), checked,
-    then `engine.bench serve` at concurrency 1 and 64 (4 under --smoke)."""
+    then `engine.bench serve` at concurrency 1 and 64 (4 under --smoke), and a short run at
+    the larger concurrency traced between the server's /start_profile and /stop_profile
+    (`profile`: where a step's time goes while serving)."""
     args = (offline.get("result") or {}).get("args") or {}
     n_in, n_out = (16, 8) if smoke else (128, 128)
     server_args = ["--load-format", "dummy", "--dtype", dtype]
@@ -273,28 +276,41 @@ def online(out: Path, preset: str, dtype: str, offline: dict, timeout: float,
         if value is not None:
             server_args += [flag, str(value)]
 
+    def bench(url: str, name: str, c: int, n: int, out_len: int, label: str, left) -> dict:
+        path = out / f"{label}.json"
+        cmd = [sys.executable, "-m", "engine.bench", "serve", "--base-url", url,
+               "--model", name, "--num-prompts", str(n), "--max-concurrency", str(c),
+               "--input-len", str(n_in), "--output-len", str(out_len), "--ignore-eos",
+               "--no-ceilings", "--output", str(path)]
+        if smoke:  # the tiny vocabulary is under the ids the bench draws
+            cmd.append("--text-prompts")
+        with open(out / f"{label}.log", "w") as log:
+            subprocess.run(cmd, cwd=ROOT, check=True, timeout=left(), stdout=log,
+                           stderr=subprocess.STDOUT)
+        res = json.loads(path.read_text())
+        return {k: res.get(k) for k in ("median_tpot_ms", "median_ttft_ms",
+                                        "output_throughput", "completed")}
+
     def check(url: str, step: dict, left) -> None:
+        import httpx
+
         name = _serve_checks(url, step)
         for c, n in ((1, 4 if smoke else 8), (4 if smoke else 64, 16 if smoke else 64)):
-            path = out / f"online_c{c}.json"
-            bench = [sys.executable, "-m", "engine.bench", "serve", "--base-url", url,
-                     "--model", name, "--num-prompts", str(n), "--max-concurrency", str(c),
-                     "--input-len", str(n_in), "--output-len", str(n_out), "--ignore-eos",
-                     "--no-ceilings", "--output", str(path)]
-            if smoke:  # the tiny vocabulary is under the ids the bench draws
-                bench.append("--text-prompts")
-            with open(out / f"online_c{c}.log", "w") as log:
-                subprocess.run(bench, cwd=ROOT, check=True, timeout=left(), stdout=log,
-                               stderr=subprocess.STDOUT)
-            res = json.loads(path.read_text())
-            step[f"c{c}"] = {k: res.get(k) for k in ("median_tpot_ms", "median_ttft_ms",
-                                                      "output_throughput", "completed")}
+            step[f"c{c}"] = bench(url, name, c, n, n_out, f"online_c{c}", left)
         step["ok"] = (step["completion_tokens"] == 8 and step["stream_chunks"] >= 8
                       and step["metrics_ok"])
+        # Traced apart, after the figures above: tracing slows the server.
+        httpx.post(url + "/start_profile", timeout=left()).raise_for_status()
+        c = 4 if smoke else 64
+        step["profiled"] = bench(url, name, c, c, 8 if smoke else 32, "online_profiled", left)
+        r = httpx.post(url + "/stop_profile", timeout=left())
+        r.raise_for_status()
+        step["profile"] = r.json()
 
     model = write_random_hf_model(out / "dummy-model", preset, weights=False)
     try:
-        return server_step("online", out, str(model), server_args, timeout, check)
+        return server_step("online", out, str(model), server_args, timeout, check,
+                           env={"XLASERVE_PROFILER_DIR": str(out / "online-trace")})
     finally:
         shutil.rmtree(model, ignore_errors=True)
 

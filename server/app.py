@@ -237,6 +237,30 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     return api_error(exc).response()  # 500 for exceptions outside CLIENT_ERRORS
 
 
+def profile_routes(directory: str, engines: Engines) -> list[Route]:
+    """POST /start_profile and /stop_profile (vLLM's names): a jax.profiler trace of the
+    whole process between the two into `directory`, and the stop's answer summarizes it per
+    engine step (engine.profiling: the device's busy time, the events that take the most).
+    For measuring: tracing slows the server."""
+    from engine.profiling import Profiler, ProfilerError
+
+    def steps() -> int:
+        return sum(getattr(engines[n].engine, "num_steps", 0) for n in engines.names()
+                   if isinstance(engines[n], AsyncEngine))
+
+    profiler = Profiler(directory, steps)
+
+    def route(path: str, method) -> Route:
+        async def handle(request: Request) -> Response:
+            try:
+                return JSONResponse(await asyncio.to_thread(method))
+            except ProfilerError as e:
+                raise APIError(409, str(e)) from None
+        return Route(path, handle, methods=["POST"])
+
+    return [route("/start_profile", profiler.start), route("/stop_profile", profiler.stop)]
+
+
 def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[str] = (),
               max_body_bytes: int = MAX_BODY_BYTES, max_headers: int = MAX_HEADERS,
               reasoning_parser: str | None = None, allowed_hosts: list[str] | None = None,
@@ -244,11 +268,13 @@ def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[s
               allow_special_tokens_in_messages: bool = False,
               stream_stall_timeout: float = STREAM_STALL_TIMEOUT_S,
               sessions: SessionStore | None = None,
-              tool_loop: ToolLoop | None = None) -> Starlette:
+              tool_loop: ToolLoop | None = None,
+              profiler_dir: str | None = None) -> Starlette:
     """`allowed_hosts`: the Host names served (None or "*": any; see HostCheck). `sessions`:
     where stored responses are kept (default: a SessionStore with its default limits).
     `tool_loop`: tools the server runs itself inside a request (its runner is started and
-    stopped with the app, when it has start() and stop())."""
+    stopped with the app, when it has start() and stop()). `profiler_dir`
+    (XLASERVE_PROFILER_DIR): serve /start_profile and /stop_profile (profile_routes)."""
     server = Server(engines, reasoning_parser, api_key=bool(api_key),
                     allow_special_tokens_in_messages=allow_special_tokens_in_messages,
                     sessions=sessions, tool_loop=tool_loop)
@@ -268,6 +294,8 @@ def build_app(engines: Engines, api_key: str | None = None, cors_origins: list[s
         Route("/openapi.json", server.openapi, methods=["GET"]),
         mcp.route,
     ]
+    if profiler_dir:
+        routes += profile_routes(profiler_dir, engines)
     # Outermost first: a foreign Host is refused before anything else (a DNS-rebinding page
     # gets nothing, not even CORS answers); CORS answers preflights itself; limits come
     # before auth reads anything.

@@ -33,3 +33,19 @@ def test_simulated_device_measures_the_host_path(tmp_path, default_gguf):
     assert res["num_steps"] == 8
     assert 0 < res["device_busy_fraction"] < 1 and res["host_ms_per_step"] > 0
     assert res["device_busy_fraction"] * res["duration_s"] >= 8 * 0.005
+
+
+def test_profile_traces_decode_steps_and_reads_the_trace_back(tmp_path):
+    """--profile: 20 decode steps traced after the run and summarized from the trace file (on
+    CPU the runtime's events are on the host; no device plane)."""
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--random-weights", "--config", "tiny", "--num-prompts", "2",
+                     "--input-len", "8", "--output-len", "30", "--ignore-eos",
+                     "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--concurrency", "1",
+                     "--profile", str(tmp_path / "trace"), "--output", str(out)])
+    prof = json.loads(out.read_text())["profile"]
+    assert rc == 0 and prof["steps"] == 20 and prof["wall_ms_per_step"] > 0
+    assert (tmp_path / "trace").is_dir() and prof["trace"].endswith(".xplane.pb")
+    assert prof["device_busy_ms_per_step"] is None and prof["top_host"]
+    assert all(row["ms_per_step"] > 0 and row["per_step"] > 0 for row in prof["top_host"])
+

@@ -40,6 +40,7 @@ def test_gpu_check_smoke_engine_and_server_steps(tmp_path):
     assert b1["compilations_after_warmup"] == 0 and b1["hbm_fraction"] > 0
     assert b1["read_bytes_per_s"] > 0 and b1["floor_tpot_ms"] > 0 and b1["ready_s"] > 0
     assert set(b1["weight_copies"]) == {"step1", "tokens1"}  # the one-row steps were read
+    assert b1["profile"]["steps"] > 0 and b1["profile"]["top_host"]  # 20 steps traced
     server = report["steps"][2]
     assert server["completion_tokens"] == 8 and server["stream_chunks"] >= 8
     # The server took the batch-8 run's limits and pages, so its executables came from the
@@ -48,6 +49,7 @@ def test_gpu_check_smoke_engine_and_server_steps(tmp_path):
     assert server["c1"]["completed"] == 4 and server["c4"]["completed"] == 16
     text = (tmp_path / "gpu_check.md").read_text()
     assert "| engine_tiny_b8 |" in text and "| online c=1 TPOT ms |" in text
+    assert "engine_tiny_b1, traced:" in text
 
 
 @pytest.mark.slow

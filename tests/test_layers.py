@@ -30,7 +30,7 @@ def test_ruff_is_clean():
 # The engine modules that import jax themselves (docs/architecture.md names them too).
 ENGINE_JAX_MODULES = {"model_runner", "step_table", "embedding_runner", "device",
                       "executable_store", "distributed", "bench.offline", "bench.embed",
-                      "bench.ceilings", "bench.attention", "bench.quantization"}
+                      "bench.ceilings", "bench.attention", "bench.quantization", "profiling"}
 
 
 def test_every_engine_module_is_named_by_the_jax_contract():

@@ -18,7 +18,7 @@ from conftest import SERVER_KEY, SERVER_LIMITS
 from servers import running_server_process
 from test_server_openai import metrics
 
-from server import cli
+from server import cli, exposure
 from server.middleware import HostCheck
 
 NAME = "served-name"
@@ -212,10 +212,11 @@ def test_allowed_host_names_and_patterns():
 
 
 def test_hosts_and_warnings_follow_the_bind_address(tmp_path, monkeypatch):
-    monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
+    monkeypatch.delenv(exposure.API_KEY_ENV, raising=False)
     def settings(*argv):
         args = cli.parser().parse_args(list(argv))
-        return cli.allowed_hosts(args), cli.http_warnings(args, cli.api_key(args)[1])
+        hosts = exposure.allowed_hosts(args)
+        return hosts, exposure.http_warnings(args, exposure.api_key(args)[1])
 
     key = tmp_path / "key"
     key.write_text("k\n")
@@ -229,7 +230,7 @@ def test_hosts_and_warnings_follow_the_bind_address(tmp_path, monkeypatch):
         ["api.example.com", "*.example.org"], [])
     hosts, warnings = settings("--api-key", "k")
     assert len(warnings) == 1 and "process list" in warnings[0]
-    assert cli.api_key(cli.parser().parse_args(["--api-key-file", str(key)])) == (
+    assert exposure.api_key(cli.parser().parse_args(["--api-key-file", str(key)])) == (
         "k", "--api-key-file")
     with pytest.raises(SystemExit):  # one or the other
         cli.parser().parse_args(["--api-key", "k", "--api-key-file", str(key)])

@@ -131,7 +131,7 @@ def simulate(args) -> dict:
 def _print(res: dict, output: str | None) -> None:
     width = max(len(k) for k in res)
     for k, v in res.items():
-        if k != "args":
+        if k not in ("args", "profile"):
             print(f"{k:<{width}}  {v:,.3f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
     if output:
         with open(output, "w") as f:
@@ -314,6 +314,9 @@ def main(argv=None) -> int:
     p.add_argument("--json-schema", help="constrain every reply to this JSON schema (a file or "
                    "the schema's text): the cost of structured output")
     p.add_argument("--output", help="write the results as JSON")
+    p.add_argument("--profile", metavar="DIR",
+                   help="after the run, trace 20 decode steps into DIR and report where a "
+                        "step's time goes (engine/profiling.py)")
     args = p.parse_args(argv)
     # The runner's progress (compiling, loaded from the store, memory): a run cut off by a
     # time limit still says how far it got.
@@ -366,6 +369,12 @@ def main(argv=None) -> int:
            "weight_copies": weight_copies(engine.runner),
            **summarize(engine, timings, duration, ceilings), "args": vars(args)}
     res["median_tpot_over_dense_t1"] = res["median_tpot_ms"] / res["dense_t1_ms"]
+    if args.profile:
+        from engine.profiling import describe, profile_steps
+
+        res["profile"] = profile_steps(engine, requests, args.concurrency or args.num_prompts,
+                                       args.profile)
+        print(describe(res["profile"]))
     _print(res, args.output)
     return 0 if res["compilations_after_warmup"] == 0 else 1
 
