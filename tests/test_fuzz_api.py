@@ -74,8 +74,10 @@ def send(operation, mode: GenerationMode, n: int, url: str, session, answers: Co
 
 
 def with_room(document: dict) -> dict:
-    """A copy of the API description whose max_tokens leave a chat's prompt its room, and whose
-    responses continue no earlier one (a stored response's id, which no schema can say)."""
+    """A copy of the API description whose max_tokens leave a chat's prompt its room, whose
+    responses continue no earlier one (a stored response's id), whose requests offer at
+    most one tool (tools' names must differ), ask for at most one token at least (min_tokens
+    within max_tokens) and no grammar (a random text is no GBNF): what no schema can say."""
     document = copy.deepcopy(document)
     document["components"]["schemas"]["ResponsesRequest"]["properties"][
         "previous_response_id"] = {"type": "null"}
@@ -84,6 +86,13 @@ def with_room(document: dict) -> dict:
             for branch in model.get("properties", {}).get(field, {}).get("anyOf", []):
                 if "maximum" in branch:
                     branch["maximum"] = MAX_TOKENS
+        for branch in model.get("properties", {}).get("tools", {}).get("anyOf", []):
+            if branch.get("type") == "array":
+                branch["maxItems"] = 1
+        if "min_tokens" in model.get("properties", {}):
+            model["properties"]["min_tokens"]["maximum"] = 1
+        if "oneOf" in model:
+            model["oneOf"] = [b for b in model["oneOf"] if b.get("required") != ["grammar"]]
     return document
 
 

@@ -267,18 +267,31 @@ def test_drafts_are_as_many_as_pay_for_their_step():
 
 
 @pytest.mark.slow
-def test_greedy_with_float32_pages_is_identical_with_drafting(default_gguf):
-    """The default model, float32 KV pages: 64 prompts (the edits and quoted summaries of
+@pytest.mark.parametrize("pair", ["ngram-default-model", "qwen2.5-coder-0.5b-for-1.5b"])
+def test_greedy_with_float32_pages_is_identical_with_drafting(pair):
+    """Float32 KV pages: 64 prompts (the edits and quoted summaries of
     tests/data/grounded_prompts.jsonl, and short ones), 256 greedy tokens each, the same with
-    and without drafting, 8 at a time so every step may draft."""
+    and without drafting, every step allowed to draft: prompt lookup on the default model, 8
+    at a time, and Qwen2.5-Coder-0.5B drafting 3 tokens for the 1.5B (both int4), 2 at a time
+    (tens of minutes on a 2-core CPU). The head has max_num_seqs rows, one per sequence and
+    one per draft, so max_num_seqs leaves room for every draft of the sequences at once."""
     import dataclasses
     import json
     from pathlib import Path
 
     from models.chat_template import ChatTemplate
+    from models.known_models import fetch_default_model, fetch_model
 
-    cfg = EngineConfig(model=str(default_gguf), kv_cache_dtype="float32", max_model_len=1024,
-                       max_num_seqs=16, max_num_batched_tokens=128)
+    if pair.startswith("ngram"):
+        model, extra, at_once, rows = fetch_default_model(quiet=True), {}, 8, 16
+        spec = {**NGRAM, "max_seqs": at_once}
+    else:
+        model, extra, at_once, rows = (fetch_model("qwen2.5-coder-1.5b", quiet=True),
+                                       {"quantization": "int4"}, 2, 8)
+        spec = {"model": str(fetch_model("qwen2.5-coder-0.5b", quiet=True)),
+                "num_speculative_tokens": 3, "max_seqs": at_once}
+    cfg = EngineConfig(model=str(model), kv_cache_dtype="float32", max_model_len=1024,
+                       max_num_seqs=rows, max_num_batched_tokens=128, **extra)
     plain = LLMEngine(cfg)
     plain.runner.warmup()
     template = ChatTemplate.for_tokenizer(plain.tokenizer)
@@ -289,13 +302,15 @@ def test_greedy_with_float32_pages_is_identical_with_drafting(default_gguf):
     prompts += [plain.encode(f"Count from {i} to {i + 40}, then back down:")
                 for i in range(64 - len(prompts))]
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
-    drafting = LLMEngine(dataclasses.replace(cfg, speculative={**NGRAM, "max_seqs": 8}),
+    drafting = LLMEngine(dataclasses.replace(cfg, speculative=spec),
                          runner=plain.runner, tokenizer=plain.tokenizer)
+    if drafting.draft is not None:
+        drafting.draft.warmup()  # its executables (the target's are warm)
     drafting.scheduler.step_costs = EqualCosts()
     got = {}
     for eng in (plain, drafting):
-        got[eng is drafting] = [o.outputs[0].token_ids for i in range(0, 64, 8)
-                                for o in eng.generate(prompts[i:i + 8], params)]
+        got[eng is drafting] = [o.outputs[0].token_ids for i in range(0, 64, at_once)
+                                for o in eng.generate(prompts[i:i + at_once], params)]
     stats = drafting.scheduler.spec_stats
     assert stats.num_accepted_tokens > 1000, stats
     assert got[True] == got[False]
