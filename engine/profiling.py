@@ -48,10 +48,17 @@ def profile_steps(engine, requests, concurrency: int, directory: str | Path,
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    files = sorted(directory.glob("**/*.xplane.pb"), key=lambda p: p.stat().st_mtime)
-    if not traced or not files:
+    path = newest_trace(directory)
+    if not traced or path is None:
         return {"steps": traced, "error": "no steps traced" if not traced else "no trace file"}
-    return {"trace": str(files[-1]), **summarize_trace(files[-1], traced, wall)}
+    return {"trace": str(path), **summarize_trace(path, traced, wall)}
+
+
+def newest_trace(directory: Path, since: float = 0.0) -> Path | None:
+    """The trace file jax.profiler wrote last under `directory` (not before `since`, a
+    time.time()), or None."""
+    files = [p for p in directory.glob("**/*.xplane.pb") if p.stat().st_mtime >= since]
+    return max(files, key=lambda p: p.stat().st_mtime, default=None)
 
 
 def _busy_ns(intervals: list[tuple[float, float]]) -> float:
@@ -171,10 +178,9 @@ class Profiler:
             steps, wall = self._steps() - steps, time.perf_counter() - start
             begun = time.time() - wall
             jax.profiler.stop_trace()
-        files = [p for p in self.directory.glob("**/*.xplane.pb") if p.stat().st_mtime >= begun]
-        if not files:
+        path = newest_trace(self.directory, since=begun)
+        if path is None:
             return {"status": "stopped", "steps": steps, "error": "no trace file"}
-        path = max(files, key=lambda p: p.stat().st_mtime)
         if not steps:
             return {"status": "stopped", "trace": str(path), "steps": 0,
                     "error": "no engine step ran while tracing"}

@@ -14,8 +14,8 @@ leaves no time for are reported as skipped):
    (one sequence's limits: a few executables), in bfloat16, `--quantization int8` and
    `int4` (XLA's autotuning off: its compile ran past the limit): TPOT beside its floor
    (weight + KV bytes a step over the same run's read bandwidth, a sum over a 4 GiB
-   array), ready time from an empty compile cache, and the
-   count of whole layer matrices the compiled step copies or converts (0: read in place);
+   array), ready time from an empty compile cache, and the count of whole layer matrices
+   the compiled step copies or converts (0: read in place);
    bf16's decode traced (`--profile`: the device's busy time a step, its events, the host's).
 3. `python -m engine.bench.quantization`: float, int8 and int4 matmuls of the 8B MLP's shape at
    1 and 64 rows, each layer's weights sliced as a scan does and at constant indices,
