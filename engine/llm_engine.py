@@ -73,7 +73,7 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.tokenizer.eos_token_ids)
         # What steps of each token bucket take (speculative decoding's cost model): the
-        # runner's timings at warmup, then the steps that run without overlap.
+        # runner's timings at warmup, then the steps that ran (`_read`).
         self.scheduler.step_costs = StepCosts(getattr(self.runner, "step_seconds", None))
         # A draft model's runner beside the target's (engine/draft_model.py), over its pages.
         spec = config.speculative
@@ -82,7 +82,10 @@ class LLMEngine:
         self.draft = draft
         self.input_batch = InputBatch(config, self.tokenizer.eos_token_ids)
         self.async_scheduling = config.async_scheduling
-        self._in_flight = None  # (SchedulerOutput, pending step) dispatched, not yet read
+        # (SchedulerOutput, pending step, token bucket, seconds its drafts took) dispatched,
+        # not yet read
+        self._in_flight = None
+        self._last_done: float | None = None  # when the last step's result came, while busy
         self.wait_s = 0.0  # time spent waiting for the device's results (benchmarks)
         model_cfg = getattr(self.runner, "model_config", None)  # fake runners in tests have none
         self.vocab_size: int | None = (model_cfg.vocab_size if model_cfg is not None
@@ -196,11 +199,10 @@ class LLMEngine:
         overlap = self.async_scheduling and not self._matchers and not speculate
         outputs = []
         if not overlap and self._in_flight is not None:
-            (previous, pending), self._in_flight = self._in_flight, None
-            outputs = self._read(previous, pending)
+            previous, self._in_flight = self._in_flight, None
+            outputs = self._read(*previous)
         out = self.scheduler.schedule(speculate)
-        if self.draft is not None:
-            self._draw_drafts(out)
+        drafting_s = self._draw_drafts(out) if self.draft is not None else 0.0
         if self._matchers and self.scheduler.speculative is not None:
             for entry in out.scheduled:  # a grammar's drafts: only as far as it allows them
                 if entry.drafts and entry.seq.seq_id in self._matchers:
@@ -220,35 +222,40 @@ class LLMEngine:
             if rows:
                 batch.token_mask = functools.partial(self.grammars.fill_mask, rows,
                                                      batch.bucket[1])
-            submitted = time.perf_counter()
-            launched = out, self.runner.submit(batch)
+            launched = out, self.runner.submit(batch), batch.bucket[0], drafting_s
             self.num_steps += 1
         if not overlap:
             if launched is None:
                 return outputs
-            return outputs + self._read(*launched, timed=(batch.bucket[0], submitted))
+            return outputs + self._read(*launched)
         previous, self._in_flight = self._in_flight, launched
         return [] if previous is None else self._read(*previous)
 
-    def _draw_drafts(self, out: SchedulerOutput) -> None:
+    def _draw_drafts(self, out: SchedulerOutput) -> float:
         """The draft model draws the drafts `out` booked; its rounds' time feeds the cost
-        model."""
+        model. Returns the seconds they took."""
         self.draft.draw(out, self._seeds,
                         (self.grammars, self._matchers) if self._matchers else None)
         for seconds in self.draft.round_seconds:
             self.scheduler.step_costs.record_round(seconds)
+        return sum(self.draft.round_seconds)
 
-    def _read(self, out: SchedulerOutput, pending,
-              timed: tuple[int, float] | None = None) -> list[RequestOutput]:
+    def _read(self, out: SchedulerOutput, pending, bucket: int,
+              drafting_s: float = 0.0) -> list[RequestOutput]:
         """Wait for a dispatched step, record its tokens and build the outputs that changed.
-        `timed`: (token bucket, when it was submitted) of a step that did not overlap, whose
-        time the cost model of drafting learns."""
+
+        The cost model of drafting learns what a step of `bucket` tokens costs as the time
+        from the previous step's result to this one's, while the engine is busy: the device's
+        time and the host's share that did not overlap it, so a drafting step (which waits
+        for the token before it) pays for the overlap it gives up, and a step is timed at the
+        context its sequences have. A draft model's rounds (`drafting_s`) are counted apart
+        (StepCosts.draft_round)."""
         waited = time.perf_counter()
         result = pending.result()
         done = time.perf_counter()
         self.wait_s += done - waited
-        if timed is not None:
-            self.scheduler.step_costs.record(timed[0], done - timed[1])
+        if self._last_done is not None:
+            self.scheduler.step_costs.record(bucket, done - self._last_done - drafting_s)
         ended = {e.seq.seq_id for e in out.scheduled if e.seq.is_finished}  # while it ran
         first_rows = head_rows(out.scheduled)
         ids = result.token_ids.tolist()
@@ -268,7 +275,10 @@ class LLMEngine:
                                    last=j == len(entry.new_tokens) - 1):
                     break
             touched.setdefault(req.request_id, []).append(index)
-        return [self._output(self.requests[rid], idx) for rid, idx in touched.items()]
+        outputs = [self._output(self.requests[rid], idx) for rid, idx in touched.items()]
+        # Idle until a request comes: the next step's time starts from its own dispatch.
+        self._last_done = done if self.has_unfinished() else None
+        return outputs
 
     def _add_token(self, req: Request, index: int, entry, token: int, result, row: int,
                    last: bool) -> bool:

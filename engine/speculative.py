@@ -21,10 +21,11 @@ GPU at a few sequences, hardly at all on a small CPU, where each token's rows ar
 So the scheduler drafts k tokens only when the step's expected tokens per second grow by it
 (`choose_drafts`): the expected tokens come from the sequence's acceptance so far (`Drafter`,
 each draft position kept with probability a: 1 + a + ... + a^k tokens), the seconds from
-what steps of each token bucket took (`StepCosts`: timed at warmup, then from the steps that
-ran). Drafting also costs the step its overlap (the proposer needs the last token), so a
-sequence whose drafts found nothing or lost every token waits a while before it drafts again,
-and the scheduler drafts only while the batch is small (`max_seqs`).
+what steps of each token bucket took (`StepCosts`: timed at warmup on padding, then each step
+that ran, from the previous step's result to its own, so the host's share, the overlap a
+drafting step gives up (the proposer needs the last token) and the sequences' context are
+all in it). A sequence whose drafts found nothing or lost every token waits a while before
+it drafts again, and the scheduler drafts only while the batch is small (`max_seqs`).
 """
 
 from __future__ import annotations
@@ -158,9 +159,12 @@ class Drafter:
 
 class StepCosts:
     """Seconds a step of each token bucket takes: timed once at warmup (the runner's
-    `step_seconds`, on padding), then a moving average of the steps that ran without overlap
-    (submit to result). With a draft model, also what one of its drafting rounds takes
-    (`draft_round`: a token for each drafting sequence), k rounds for k drafts."""
+    `step_seconds`, on padding), then a moving average of the steps that ran, each from the
+    previous step's result to its own while the engine is busy (LLMEngine._read): a step that
+    overlapped the host's work costs its device time, one that waited for the token before it
+    (drafting) costs the host's share too. With a draft model, also what one of its drafting
+    rounds takes (`draft_round`: a token for each drafting sequence), k rounds for k drafts,
+    counted apart from the step."""
 
     RATE = 0.1
 

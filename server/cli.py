@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                                       args.responses_ttl)
         loop = None
         if args.mcp_config is not None:
-            from server.mcp_tools import McpTools, load_mcp_config
+            from server.mcp_config import load_mcp_config
+            from server.mcp_tools import McpTools
 
             loop = tool_loop.ToolLoop(McpTools(load_mcp_config(args.mcp_config)),
                                       args.max_tool_rounds, args.tool_timeout)

@@ -407,23 +407,40 @@ def test_speculative_steps_give_the_same_outputs(engine, plain):
 
 
 @pytest.mark.slow
-def test_speculation_keeps_the_sampled_distribution(engine):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_keeps_the_sampled_distribution(method, request):
     """The second token sampled at temperature 0.8 after a prompt that repeats itself (so
     drafts verify it), 4,000 draws with and without drafting, each draw its own seed: the two
-    histograms pass a chi-squared test of one distribution (p > 0.01). Seeds are not paired
-    across the two runs (draws 0..3999 without, 4000..7999 with), so this checks the
-    distribution, not only the seed-for-seed equality the test above holds."""
+    histograms pass a chi-squared test of one distribution (p > 0.01). Prompt lookup on the
+    default model; Qwen2.5-Coder-0.5B drafting for the 1.5B (both int4), a draft model of
+    another distribution, so its drafts are rejected at times (each draft drawn from the
+    0.5B's distribution, kept by the 1.5B's draw). Seeds are not paired across the two runs
+    (draws 0..3999 without, 4000..7999 with), so this checks the distribution, not only the
+    seed-for-seed equality the test above holds."""
     import dataclasses
 
     from fakes import EqualCosts
     from scipy.stats import chi2_contingency
 
+    from models.known_models import fetch_model
+
+    if method == "ngram":
+        target = request.getfixturevalue("engine")
+        spec = {"method": "ngram", "num_speculative_tokens": 1, "max_seqs": 8}
+    else:
+        target = LLMEngine(EngineConfig(
+            model=str(fetch_model("qwen2.5-coder-1.5b", quiet=True)), quantization="int4",
+            max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128))
+        target.runner.warmup()
+        spec = {"model": str(fetch_model("qwen2.5-coder-0.5b", quiet=True)),
+                "num_speculative_tokens": 1, "max_seqs": 8}
     prompt = "red green blue red green blue red green blue red green"
     counts = []
-    ngram = {"method": "ngram", "num_speculative_tokens": 1, "max_seqs": 8}
-    for spec, first_seed in ((None, 0), (ngram, 4000)):
-        cfg = dataclasses.replace(engine.config, speculative=spec)
-        eng = LLMEngine(cfg, runner=engine.runner, tokenizer=engine.tokenizer)
+    for spec_or_none, first_seed in ((None, 0), (spec, 4000)):
+        cfg = dataclasses.replace(target.config, speculative=spec_or_none)
+        eng = LLMEngine(cfg, runner=target.runner, tokenizer=target.tokenizer)
+        if eng.draft is not None:
+            eng.draft.warmup()
         eng.scheduler.step_costs = EqualCosts()
         seen: dict[int, int] = {}
         for wave in range(first_seed, first_seed + 4000, 8):  # 8 at a time: all may draft
@@ -434,8 +451,11 @@ def test_speculation_keeps_the_sampled_distribution(engine):
                 token = o.outputs[0].token_ids[1]
                 seen[token] = seen.get(token, 0) + 1
         counts.append(seen)
-        if spec is not None:
-            assert eng.scheduler.spec_stats.num_drafts > 1000  # (its first token, when it repeats)
+        if spec_or_none is not None:
+            stats = eng.scheduler.spec_stats
+            assert stats.num_drafts > 1000  # (its first token, when it repeats)
+            if method == "draft_model":  # drafts of another distribution: some rejected
+                assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
     tokens = sorted(set(counts[0]) | set(counts[1]))
     table = np.array([[c.get(t, 0) for t in tokens] for c in counts])
     table = table[:, table.sum(axis=0) >= 10]  # chi-squared needs populated cells

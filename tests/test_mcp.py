@@ -27,15 +27,9 @@ from starlette.routing import Route
 
 from engine.async_engine import Engines
 from server.app import build_app
+from server.mcp_config import HttpServer, StdioServer, load_mcp_config, parse_mcp_config
 from server.mcp_endpoint import tool_names
-from server.mcp_tools import (
-    HttpServer,
-    McpTools,
-    StdioServer,
-    _openai_names,
-    load_mcp_config,
-    parse_mcp_config,
-)
+from server.mcp_tools import McpTools, _openai_names
 
 TEST_SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
 TIME_SERVER = {"command": sys.executable, "args": ["-m", "mcp_server_time",

@@ -22,15 +22,8 @@ import time
 
 import httpx
 
-from engine.bench.serve import (
-    Request,
-    Result,
-    latency_stats,
-    print_head,
-    print_latency,
-    print_tail,
-    row,
-)
+from engine.bench.serve import Request, Result, latency_stats
+from engine.bench.serve_report import print_head, print_latency, print_tail, row
 
 
 @dataclasses.dataclass
