@@ -85,7 +85,8 @@ class LLMEngine:
         # (SchedulerOutput, pending step, token bucket, seconds its drafts took) dispatched,
         # not yet read
         self._in_flight = None
-        self._last_done: float | None = None  # when the last step's result came, while busy
+        # when the last step's result came, while busy (timed only when drafting is on)
+        self._last_done: float | None = None
         self.wait_s = 0.0  # time spent waiting for the device's results (benchmarks)
         model_cfg = getattr(self.runner, "model_config", None)  # fake runners in tests have none
         self.vocab_size: int | None = (model_cfg.vocab_size if model_cfg is not None
@@ -244,7 +245,7 @@ class LLMEngine:
               drafting_s: float = 0.0) -> list[RequestOutput]:
         """Wait for a dispatched step, record its tokens and build the outputs that changed.
 
-        The cost model of drafting learns what a step of `bucket` tokens costs as the time
+        With drafting on, its cost model learns what a step of `bucket` tokens costs as the time
         from the previous step's result to this one's, while the engine is busy: the device's
         time and the host's share that did not overlap it, so a drafting step (which waits
         for the token before it) pays for the overlap it gives up, and a step is timed at the
@@ -276,8 +277,9 @@ class LLMEngine:
                     break
             touched.setdefault(req.request_id, []).append(index)
         outputs = [self._output(self.requests[rid], idx) for rid, idx in touched.items()]
-        # Idle until a request comes: the next step's time starts from its own dispatch.
-        self._last_done = done if self.has_unfinished() else None
+        if self.scheduler.speculative is not None:  # (the cost model serves drafting alone)
+            # Idle until a request comes: the next step's time starts from its own dispatch.
+            self._last_done = done if self.has_unfinished() else None
         return outputs
 
     def _add_token(self, req: Request, index: int, entry, token: int, result, row: int,

@@ -1,7 +1,12 @@
 """The MCP config file of `--mcp-config FILE` (server/mcp_tools.py runs its servers): the
 `{"mcpServers": {...}}` file Claude Desktop, VS Code and most MCP clients read, each entry a
 stdio server (`command`, `args`, `env`, `cwd`) or a streamable HTTP one (`url`, `headers`),
-checked whole at start so a mistake is one clear error, not a server that fails later."""
+checked whole at start so a mistake is one clear error, not a server that fails later:
+
+    {"mcpServers": {
+        "time": {"command": "mcp-server-time", "args": ["--local-timezone", "UTC"]},
+        "search": {"url": "https://example.com/mcp", "headers": {"Authorization": "..."}}}}
+"""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """The MCP servers whose tools xlaserve runs itself (`--mcp-config FILE`), through the
-official `mcp` SDK: the config file, one client session per server, the servers' tools as
-OpenAI function tools, and calls that always come back as a result the model can read.
-
-The config file (server/mcp_config.py) is the one Claude Desktop, VS Code and most MCP
-clients read:
-
-    {"mcpServers": {
-        "time": {"command": "mcp-server-time", "args": ["--local-timezone", "UTC"]},
-        "search": {"url": "https://example.com/mcp", "headers": {"Authorization": "..."}}}}
+official `mcp` SDK: one client session per server of the config file (server/mcp_config.py),
+the servers' tools as OpenAI function tools, and calls that always come back as a result the
+model can read.
 
 Each session lives in a task of its own, which enters the SDK's clients (async context
 managers holding anyio task groups and cancel scopes) and leaves them again; `start`,

@@ -456,6 +456,7 @@ def test_speculation_keeps_the_sampled_distribution(method, request):
             assert stats.num_drafts > 1000  # (its first token, when it repeats)
             if method == "draft_model":  # drafts of another distribution: some rejected
                 assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+                eng.release()  # the two Qwen models' memory (the module's engine stays)
     tokens = sorted(set(counts[0]) | set(counts[1]))
     table = np.array([[c.get(t, 0) for t in tokens] for c in counts])
     table = table[:, table.sum(axis=0) >= 10]  # chi-squared needs populated cells
