@@ -70,7 +70,7 @@ int QMatmul() {
     matrices.push_back({values[m].data(), shapes[m].packed != 0, scales[m].data(),
                         shapes[m].has_min ? minimums[m].data() : nullptr, ys[m].data(),
                         shapes[m].O, shapes[m].G});
-  xlaserve::qmatmul::Compute(x.data(), T, I, matrices.data(), n, threads - 1, Inline);
+  xlaserve::qmatmul::Compute(x.data(), T, I, matrices.data(), n, threads, Inline);
   for (const auto& y : ys) Write(y);
   return 0;
 }

@@ -377,9 +377,7 @@ void Compute(const Problem& p, Pages pages, int64_t split_keys, int64_t threads,
   // At most as many workers as the pool has threads, the caller included: the caller may
   // be a thread outside the pool, and one worker more than the cores made waiters spin
   // while a descheduled helper held the last item (2-vCPU EPYC, 64 decodes of 200 keys,
-  // alternating: 586-1,078 us a call against 524-552). qmatmul.cc keeps one helper per pool
-  // thread: the same change there measured no better (30 layers at 1 and 8 rows, and the
-  // engine bench's c=1 TPOT, 10.4-11.0 against 9.6-10.2 ms, inside the noise or worse).
+  // alternating: 586-1,078 us a call against 524-552). qmatmul.cc counts its workers so too.
   int64_t helpers = pairs < kInlineWork && splits.empty()
       ? 0 : std::min<int64_t>(threads - 1, num - 1);
   for (int64_t i = 0; i < helpers; ++i) schedule([work] { work->Run(); });

@@ -28,7 +28,8 @@
 // a row's result never depends on the other rows of its step. Neither quantizes activations
 // the way llama.cpp does (8 bits). Rows are read ahead with software prefetches (a token's
 // weights come from memory), and the output rows are split over XLA's intra-op thread pool,
-// whose threads read memory in parallel.
+// whose threads read memory in parallel (`Compute` says how).
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -41,8 +42,11 @@ namespace xlaserve::qmatmul {
 using namespace simd;
 
 constexpr int64_t kMaxGroups = 1024;  // groups per output row held in a stack buffer
-constexpr int64_t kChunkRows = 32;    // output rows per unit of work
 constexpr int64_t kMaxMatrices = 4;   // products of the same rows in one call
+// Output rows per unit of work: the call's rows over kChunksPerWorker units a worker, in
+// whole multiples of 32 rows within [kMinChunkRows, kMaxChunkRows] (see `Compute`).
+constexpr int64_t kChunksPerWorker = 4;
+constexpr int64_t kMinChunkRows = 32, kMaxChunkRows = 256;
 
 // Output rows read ahead: the hardware's prefetchers stop at 4 KiB pages, and a token's
 // weights (tens of MB) come from memory, not cache (1 thread, all 30 layers of the default
@@ -308,13 +312,13 @@ void Rows(const Problem& p, int64_t r0, int64_t r1) {
 
 // Up to kMaxMatrices products of the same rows x (a layer's q, k and v projections, its gate
 // and up ones) in one call: their chunks of output rows are handed out to the caller and the
-// pool's threads alike, so the threads split the matrices' rows together (k's and v's 192 rows
-// alone are 6 chunks for 2 threads) and wait once. A thread that starts after the last chunk
-// was taken touches nothing; the caller returns once every chunk is done (the shared state
-// outlives it in the late tasks' hands).
+// pool's threads alike, so the threads split the matrices' rows together and wait once. A
+// thread that starts after the last chunk was taken touches nothing; the caller returns once
+// every chunk is done (the shared state outlives it in the late tasks' hands).
 struct Work {
   Problem p[kMaxMatrices];
   int64_t first_chunk[kMaxMatrices + 1];  // matrix m's chunks are [first_chunk[m], first_chunk[m + 1])
+  int64_t chunk_rows = kMinChunkRows;
   int64_t n = 0;
   std::vector<float> xsum[kMaxMatrices];
   Prepared prep;  // x's rows as integer digits, when a matrix is packed
@@ -324,21 +328,35 @@ struct Work {
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < num_chunks;) {
       int64_t m = 0;
       while (c >= first_chunk[m + 1]) ++m;
-      const int64_t r0 = (c - first_chunk[m]) * kChunkRows;
-      Rows(p[m], r0, r0 + kChunkRows < p[m].m.O ? r0 + kChunkRows : p[m].m.O);
+      const int64_t r0 = (c - first_chunk[m]) * chunk_rows;
+      Rows(p[m], r0, r0 + chunk_rows < p[m].m.O ? r0 + chunk_rows : p[m].m.O);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
 // y_m = x [T, I] @ w_m^T for the n matrices (shapes checked by the caller), with up to
-// `helpers` more threads: schedule(task) runs task on one of them.
+// threads - 1 more threads: schedule(task) runs task on one of them.
+//
+// At most as many workers as the pool has threads, the caller included (the caller may be a
+// thread outside the pool; one worker more than the cores had them share the cores and spin
+// on the last chunks), and a few long chunks each rather than many of 32 rows, so that each
+// worker streams through long runs of rows (2-vCPU EPYC, the default model at one stream,
+// one process alternating: 8.1-8.3 ms a token against 10.3-10.8 with 32-row chunks and a
+// helper per pool thread; docs/performance-log.md, "The CPU kernel's threads"). How rows are
+// split never changes a row's result.
 template <typename Schedule>
 void Compute(const float* x, int64_t T, int64_t I, const Matrix* matrices, int64_t n,
-             int64_t helpers, Schedule schedule) {
+             int64_t threads, Schedule schedule) {
   auto work = std::make_shared<Work>();
   work->n = n;
   work->first_chunk[0] = 0;
+  const int64_t workers = threads < 1 ? 1 : threads;
+  int64_t rows = 0;
+  for (int64_t m = 0; m < n; ++m) rows += matrices[m].O;
+  const int64_t chunk = (rows / (kChunksPerWorker * workers) + 31) / 32 * 32;
+  work->chunk_rows = chunk < kMinChunkRows ? kMinChunkRows : chunk > kMaxChunkRows ? kMaxChunkRows : chunk;
+  const int64_t chunk_rows = work->chunk_rows;
   bool packed = false;
   for (int64_t m = 0; m < n; ++m) {
     const Matrix& w = matrices[m];
@@ -356,12 +374,12 @@ void Compute(const float* x, int64_t T, int64_t I, const Matrix* matrices, int64
     const int64_t per_group = I / G / 32;  // packed: blocks per scale group, a power of two
     work->p[m] = Problem{x, w, xsum.data(), &work->prep, T, I,
                          w.packed ? __builtin_ctzll(per_group) : 0};
-    work->first_chunk[m + 1] = work->first_chunk[m] + (w.O + kChunkRows - 1) / kChunkRows;
+    work->first_chunk[m + 1] = work->first_chunk[m] + (w.O + chunk_rows - 1) / chunk_rows;
     packed = packed || w.packed;
   }
   if (T == 0) return;
   if (packed) Prepare(x, T, I, &work->prep);
-  if (helpers > work->first_chunk[n] - 1) helpers = work->first_chunk[n] - 1;
+  const int64_t helpers = std::min<int64_t>(workers - 1, work->first_chunk[n] - 1);
   for (int64_t i = 0; i < helpers; ++i) schedule([work] { work->Run(); });
   work->Run();
   while (work->done.load(std::memory_order_acquire) < work->first_chunk[n]) Pause();
