@@ -25,7 +25,11 @@ mkdir -p "$OUT"
 if [[ ! -f "$SRC/CMakeLists.txt" ]]; then
   sdist="$OUT/llama_cpp_python-$VERSION.tar.gz"
   if [[ ! -f "$sdist" ]]; then
-    python -m pip download --no-deps --no-binary=:all: "llama-cpp-python==$VERSION" -d "$OUT" >&2
+    # The sdist alone: --no-binary for this package only, so that pip reads its metadata
+    # with wheels of its build backend (with :all:, pip first builds the backend's own build
+    # dependencies from source: still at it after two minutes on a 2-vCPU machine).
+    python -m pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" \
+      -d "$OUT" >&2
   fi
   tar -xzf "$sdist" -C "$OUT"
 fi

@@ -354,9 +354,8 @@ void Compute(const float* x, int64_t T, int64_t I, const Matrix* matrices, int64
   const int64_t workers = threads < 1 ? 1 : threads;
   int64_t rows = 0;
   for (int64_t m = 0; m < n; ++m) rows += matrices[m].O;
-  const int64_t chunk = (rows / (kChunksPerWorker * workers) + 31) / 32 * 32;
-  work->chunk_rows = chunk < kMinChunkRows ? kMinChunkRows : chunk > kMaxChunkRows ? kMaxChunkRows : chunk;
-  const int64_t chunk_rows = work->chunk_rows;
+  const int64_t chunk_rows = work->chunk_rows = std::clamp<int64_t>(
+      (rows / (kChunksPerWorker * workers) + 31) / 32 * 32, kMinChunkRows, kMaxChunkRows);
   bool packed = false;
   for (int64_t m = 0; m < n; ++m) {
     const Matrix& w = matrices[m];
