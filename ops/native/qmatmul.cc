@@ -44,9 +44,11 @@ using namespace simd;
 constexpr int64_t kMaxGroups = 1024;  // groups per output row held in a stack buffer
 constexpr int64_t kMaxMatrices = 4;   // products of the same rows in one call
 // Output rows per unit of work: the call's rows over kChunksPerWorker units a worker, in
-// whole multiples of 32 rows within [kMinChunkRows, kMaxChunkRows] (see `Compute`).
+// whole multiples of 32 rows within [kMinChunkRows, kMaxChunkRows], and at most
+// kMaxChunkProducts / T rows, so that a prompt's many rows (--batch-invariant) keep short
+// chunks (see `Compute`).
 constexpr int64_t kChunksPerWorker = 4;
-constexpr int64_t kMinChunkRows = 32, kMaxChunkRows = 256;
+constexpr int64_t kMinChunkRows = 32, kMaxChunkRows = 256, kMaxChunkProducts = 2048;
 
 // Output rows read ahead: the hardware's prefetchers stop at 4 KiB pages, and a token's
 // weights (tens of MB) come from memory, not cache (1 thread, all 30 layers of the default
@@ -354,8 +356,10 @@ void Compute(const float* x, int64_t T, int64_t I, const Matrix* matrices, int64
   const int64_t workers = threads < 1 ? 1 : threads;
   int64_t rows = 0;
   for (int64_t m = 0; m < n; ++m) rows += matrices[m].O;
+  const int64_t longest = std::clamp<int64_t>(kMaxChunkProducts / std::max<int64_t>(T, 1) / 32 * 32,
+                                              kMinChunkRows, kMaxChunkRows);
   const int64_t chunk_rows = work->chunk_rows = std::clamp<int64_t>(
-      (rows / (kChunksPerWorker * workers) + 31) / 32 * 32, kMinChunkRows, kMaxChunkRows);
+      (rows / (kChunksPerWorker * workers) + 31) / 32 * 32, kMinChunkRows, longest);
   bool packed = false;
   for (int64_t m = 0; m < n; ++m) {
     const Matrix& w = matrices[m];
