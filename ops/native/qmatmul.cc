@@ -331,7 +331,7 @@ struct Work {
       int64_t m = 0;
       while (c >= first_chunk[m + 1]) ++m;
       const int64_t r0 = (c - first_chunk[m]) * chunk_rows;
-      Rows(p[m], r0, r0 + chunk_rows < p[m].m.O ? r0 + chunk_rows : p[m].m.O);
+      Rows(p[m], r0, std::min(r0 + chunk_rows, p[m].m.O));
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -353,7 +353,7 @@ void Compute(const float* x, int64_t T, int64_t I, const Matrix* matrices, int64
   auto work = std::make_shared<Work>();
   work->n = n;
   work->first_chunk[0] = 0;
-  const int64_t workers = threads < 1 ? 1 : threads;
+  const int64_t workers = std::max<int64_t>(threads, 1);
   int64_t rows = 0;
   for (int64_t m = 0; m < n; ++m) rows += matrices[m].O;
   const int64_t longest = std::clamp<int64_t>(kMaxChunkProducts / std::max<int64_t>(T, 1) / 32 * 32,
