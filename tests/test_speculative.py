@@ -10,6 +10,8 @@ import types
 import numpy as np
 import pytest
 from fakes import EqualCosts, FakeRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.config import EngineConfig
 from engine.draft_model import DraftModel, check_vocabulary
@@ -39,6 +41,25 @@ def test_prompt_lookup_takes_the_longest_suffix_at_its_latest_occurrence():
     assert propose([4, 5, 4], 2, 4, 2) == []          # only a 1-token match, min is 2
     assert propose([4, 5, 4], 2, 4, 1) == [5, 4]
     assert propose([7], 3, 4, 1) == []
+
+
+def _lookup_by_definition(ids: list[int], k: int, lookup_max: int, lookup_min: int) -> list[int]:
+    """Prompt lookup as its docstring says it: for n from lookup_max down, the latest earlier
+    window of n tokens equal to the last n; the k tokens after it."""
+    for n in range(min(lookup_max, len(ids) - 1), lookup_min - 1, -1):
+        hits = [i for i in range(len(ids) - n) if ids[i:i + n] == ids[len(ids) - n:]]
+        if hits:
+            return ids[hits[-1] + n:hits[-1] + n + k]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 8), st.integers(1, 6),
+       st.integers(0, 5))
+def test_prompt_lookup_is_its_definition(ids, k, lookup_max, less):
+    lookup_min = max(1, lookup_max - less)
+    assert propose(ids, k, lookup_max, lookup_min) == _lookup_by_definition(
+        ids, k, lookup_max, lookup_min)
 
 
 def test_the_flag_takes_vllms_keys_and_refuses_the_rest_clearly():

@@ -56,10 +56,17 @@ constexpr int64_t kMinChunkRows = 32, kMaxChunkRows = 256, kMaxChunkProducts = 2
 constexpr int64_t kAhead = 4;
 
 // Ask for `bytes` from `p` on into the cache, a line at a time (reading past the end of an
-// array is harmless for a prefetch: it never faults).
-inline void PrefetchBytes(const void* p, int64_t bytes) {
+// array is harmless for a prefetch: it never faults). `once`: a call of at most 4 rows reads
+// each weight once (one pass of its tiles), so its weights come in without displacing what
+// the caches hold (the KV pages, the host's own work between steps); a call of more rows
+// reads a chunk's weights again for every 4 rows, from cache.
+inline void PrefetchBytes(const void* p, int64_t bytes, bool once = false) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) Prefetch(c + i);
+  if (once) {
+    for (int64_t i = 0; i < bytes; i += 64) PrefetchOnce(c + i);
+  } else {
+    for (int64_t i = 0; i < bytes; i += 64) Prefetch(c + i);
+  }
 }
 
 // One output row's float16 scales (or minimums) -> float32 in `out`.
@@ -95,9 +102,10 @@ struct Problem {
 inline const uint8_t* PackedRowStart(const Problem& p, int64_t o, float* sc, float* mn) {
   const int64_t G = p.m.G, row = p.I / 2;
   const uint8_t* qo = static_cast<const uint8_t*>(p.m.q) + o * row;
-  PrefetchBytes(qo + kAhead * row, row);
-  PrefetchBytes(p.m.scale + (o + kAhead) * G, 2 * G);
-  if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G);
+  const bool once = p.T <= 4;
+  PrefetchBytes(qo + kAhead * row, row, once);
+  PrefetchBytes(p.m.scale + (o + kAhead) * G, 2 * G, once);
+  if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G, once);
   Halves(p.m.scale + o * G, G, sc);
   if (p.m.minimum) {
     Halves(p.m.minimum + o * G, G, mn);
@@ -231,9 +239,10 @@ void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
   alignas(64) float sc[kMaxGroups], mn[kMaxGroups];
   for (int64_t o = r0; o < r1; ++o) {
     const int8_t* qo = q + o * I;
-    PrefetchBytes(qo + kAhead * I, I);
-    PrefetchBytes(p.m.scale + (o + kAhead) * G, 2 * G);
-    if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G);
+    const bool once = p.T <= 4;
+    PrefetchBytes(qo + kAhead * I, I, once);
+    PrefetchBytes(p.m.scale + (o + kAhead) * G, 2 * G, once);
+    if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G, once);
     Halves(p.m.scale + o * G, G, sc);
     if (p.m.minimum) Halves(p.m.minimum + o * G, G, mn);
     Floats acc0[N], acc1[N];  // two chains, alternating groups
