@@ -43,6 +43,7 @@ using namespace simd;
 
 constexpr int64_t kMaxGroups = 1024;  // groups per output row held in a stack buffer
 constexpr int64_t kMaxMatrices = 4;   // products of the same rows in one call
+constexpr int64_t kTileRows = 4;      // rows of x a pass over the weights multiplies (`Rows`)
 // Output rows per unit of work: the call's rows over kChunksPerWorker units a worker, in
 // whole multiples of 32 rows within [kMinChunkRows, kMaxChunkRows], and at most
 // kMaxChunkProducts / T rows, so that a prompt's many rows (--batch-invariant) keep short
@@ -56,10 +57,8 @@ constexpr int64_t kMinChunkRows = 32, kMaxChunkRows = 256, kMaxChunkProducts = 2
 constexpr int64_t kAhead = 4;
 
 // Ask for `bytes` from `p` on into the cache, a line at a time (reading past the end of an
-// array is harmless for a prefetch: it never faults). `once`: a call of at most 4 rows reads
-// each weight once (one pass of its tiles), so its weights come in without displacing what
-// the caches hold (the KV pages, the host's own work between steps); a call of more rows
-// reads a chunk's weights again for every 4 rows, from cache.
+// array is harmless for a prefetch: it never faults). `once` (Problem::once): data the call
+// reads only once comes in without displacing what the caches hold.
 inline void PrefetchBytes(const void* p, int64_t bytes, bool once = false) {
   const char* c = static_cast<const char*>(p);
   if (once) {
@@ -95,6 +94,10 @@ struct Problem {
   const Prepared* prep;   // packed: x's rows as integer digits
   int64_t T, I;
   int shift;              // packed: log2 of the blocks of 32 per scale group
+  // The weights are read once: one pass of the tiles (T <= kTileRows, a lone decode or a
+  // drafting step), so they are prefetched without displacing the KV pages and the host's
+  // work between steps; with more rows a chunk's weights are read again each pass, from cache.
+  bool once;
 };
 
 // Packed output row o: its values, read ahead kAhead rows on, and its scales and minimums
@@ -102,10 +105,9 @@ struct Problem {
 inline const uint8_t* PackedRowStart(const Problem& p, int64_t o, float* sc, float* mn) {
   const int64_t G = p.m.G, row = p.I / 2;
   const uint8_t* qo = static_cast<const uint8_t*>(p.m.q) + o * row;
-  const bool once = p.T <= 4;
-  PrefetchBytes(qo + kAhead * row, row, once);
-  PrefetchBytes(p.m.scale + (o + kAhead) * G, 2 * G, once);
-  if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G, once);
+  PrefetchBytes(qo + kAhead * row, row, p.once);
+  PrefetchBytes(p.m.scale + (o + kAhead) * G, 2 * G, p.once);
+  if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G, p.once);
   Halves(p.m.scale + o * G, G, sc);
   if (p.m.minimum) {
     Halves(p.m.minimum + o * G, G, mn);
@@ -239,10 +241,9 @@ void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
   alignas(64) float sc[kMaxGroups], mn[kMaxGroups];
   for (int64_t o = r0; o < r1; ++o) {
     const int8_t* qo = q + o * I;
-    const bool once = p.T <= 4;
-    PrefetchBytes(qo + kAhead * I, I, once);
-    PrefetchBytes(p.m.scale + (o + kAhead) * G, 2 * G, once);
-    if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G, once);
+    PrefetchBytes(qo + kAhead * I, I, p.once);
+    PrefetchBytes(p.m.scale + (o + kAhead) * G, 2 * G, p.once);
+    if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G, p.once);
     Halves(p.m.scale + o * G, G, sc);
     if (p.m.minimum) Halves(p.m.minimum + o * G, G, mn);
     Floats acc0[N], acc1[N];  // two chains, alternating groups
@@ -307,8 +308,8 @@ void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
 }
 
 void Rows(const Problem& p, int64_t r0, int64_t r1) {
-  for (int64_t t = 0; t < p.T; t += 4) {
-    switch ((p.T - t < 4 ? p.T - t : 4) + (p.m.packed ? 4 : 0)) {
+  for (int64_t t = 0; t < p.T; t += kTileRows) {
+    switch (std::min(kTileRows, p.T - t) + (p.m.packed ? kTileRows : 0)) {
       case 1: Tile<1>(p, t, r0, r1); break;
       case 2: Tile<2>(p, t, r0, r1); break;
       case 3: Tile<3>(p, t, r0, r1); break;
@@ -385,7 +386,7 @@ void Compute(const float* x, int64_t T, int64_t I, const Matrix* matrices, int64
     }
     const int64_t per_group = I / G / 32;  // packed: blocks per scale group, a power of two
     work->p[m] = Problem{x, w, xsum.data(), &work->prep, T, I,
-                         w.packed ? __builtin_ctzll(per_group) : 0};
+                         w.packed ? __builtin_ctzll(per_group) : 0, T <= kTileRows};
     work->first_chunk[m + 1] = work->first_chunk[m] + (w.O + chunk_rows - 1) / chunk_rows;
     packed = packed || w.packed;
   }
