@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import struct
@@ -40,6 +41,7 @@ class FakeServer:
         self.usage = True  # False: a server that never reports usage
         self.merge_last = False  # send the last two tokens as one chunk, as detokenizers may
         self.spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self.gate, self.gate_after, self._gate = None, 0, None  # see `hold`
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -82,6 +84,7 @@ class FakeServer:
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
+            await self.hold()
             await asyncio.sleep(0.005)
         finally:
             self.active -= 1
@@ -102,8 +105,27 @@ class FakeServer:
         words = (await request.json())["prompt"].split()  # one token per word
         return JSONResponse({"count": len(words), "tokens": list(range(len(words)))})
 
+    async def hold(self):
+        """With `gate` set, a request after the first `gate_after` waits until `gate` requests
+        are in flight at once (then none waits again): a test then sees the client's
+        concurrency reach its bound however slowly the machine runs. A client that never
+        reaches it is let through after 30 s, and the test's count shows it."""
+        if self.gate is None or len(self.bodies) <= self.gate_after:
+            return
+        if self._gate is None:
+            self._gate = asyncio.Condition()
+        gate = self.gate
+        async with self._gate:
+            self._gate.notify_all()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._gate.wait_for(
+                    lambda: self.gate is None or self.active >= gate), 30)
+            self.gate = None
+            self._gate.notify_all()
+
     def reset(self, fail_id=None, merge_last=False, fail_in_stream=False, usage=True,
-              fail_word=None, empty_word=None):
+              fail_word=None, empty_word=None, gate=None, gate_after=0):
+        self.gate, self.gate_after, self._gate = gate, gate_after, None
         self.active = self.max_active = 0
         self.arrivals, self.bodies, self.headers, self.fail_id = [], [], [], fail_id
         self.fail_word, self.empty_word = fail_word, empty_word
@@ -121,6 +143,7 @@ class FakeServer:
                                            "type": "BadRequestError"}}, status_code=400)
         self.active += 1
         self.max_active = max(self.max_active, self.active)
+        await self.hold()
         return StreamingResponse(self.stream(body), media_type="text/event-stream")
 
     async def stream(self, body: dict):
@@ -220,7 +243,8 @@ def test_output_tokens_from_usage_not_chunks(fake, tmp_path):
 
 
 def test_max_concurrency_bounds_in_flight(fake, tmp_path):
-    rc, res, _ = run_bench(fake, tmp_path, "--max-concurrency", "2", "--num-warmups", "0")
+    rc, res, _ = run_bench(fake, tmp_path, "--max-concurrency", "2", "--num-warmups", "0",
+                           gate=2)
     assert rc == 0 and res["completed"] == 8 and res["max_concurrency"] == 2
     assert fake.max_active == 2
 
@@ -309,7 +333,7 @@ def test_a_datasets_text_lines_are_completions_prompts(fake, tmp_path):
 
 def test_embeddings_one_text_a_request_texts_and_tokens_a_second(fake, tmp_path, capsys):
     rc, res, args = run_bench(fake, tmp_path, "--task", "embed", "--num-warmups", "2",
-                              "--max-concurrency", "3")
+                              "--max-concurrency", "3", gate=3, gate_after=2)
     assert rc == 0 and res["completed"] == 8 and res["failed"] == 0
     assert len(fake.bodies) == 10 and fake.max_active == 3  # 2 warmups, not counted
     body = fake.bodies[-1]
