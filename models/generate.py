@@ -79,6 +79,18 @@ class GreedyDecoder:
         logits, _ = self.run(self.new_cache(), tokens, 0, all_logits=True)
         return logits
 
+    def decoded_logits(self, prompt: list[int], tokens: list[int]) -> np.ndarray:
+        """[len(tokens), V] float32: the logits before each of `tokens`, with the prompt
+        prefilled in one pass and `tokens` then decoded one at a time (teacher-forced), as
+        a server computes a continuation: a decode's products run where a lone row's run
+        (the CPU kernel for quantized weights), not where a prompt's many rows do."""
+        logits, cache = self.run(self.new_cache(), prompt, 0)
+        rows = [logits]
+        for i, token in enumerate(tokens[:-1]):
+            logits, cache = self.run(cache, [token], len(prompt) + i)
+            rows.append(logits)
+        return np.stack(rows)
+
     def generate(self, prompt: list[int], max_new_tokens: int):
         """Greedy continuation; returns (new token ids, [max_new_tokens, V] logits)."""
         cache = self.new_cache()

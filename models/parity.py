@@ -16,11 +16,12 @@ only when our token is the reference's runner-up and its top-2 gap is below 1e-3
 
 --quantization int8|int4|w8a8, --kv-cache-dtype or --dtype: such a model cannot match
 token for token, so we measure how close it comes. The reference decodes greedily; our
-model is teacher-forced on the prompt plus the reference's tokens (one forward pass, all
-logits) and we report, per prompt and on average, the top-1 agreement (fraction of
-positions where our argmax is the reference's token) and the mean KL(ref || ours)
-of the next-token distributions, then one line `PARITY {json}` for scripts. Exit code 1
-if the mean agreement is below --min-agreement.
+model is teacher-forced on the prompt plus the reference's tokens (the prompt in one pass,
+then each token decoded alone, as the server decodes: a quantized model's products run
+where a decode runs them, the CPU kernel included) and we report, per prompt and on
+average, the top-1 agreement (fraction of positions where our argmax is the reference's
+token) and the mean KL(ref || ours) of the next-token distributions, then one line
+`PARITY {json}` for scripts. Exit code 1 if the mean agreement is below --min-agreement.
 
 --save-reference FILE writes the reference's greedy token ids per prompt (JSON, no
 logits) and stops; --reference FILE reads them instead of running transformers, so a
@@ -172,8 +173,7 @@ def compare_teacher_forced(decoder: GreedyDecoder, prompt: list[int], ref: list[
                            ref_logits: np.ndarray | None = None) -> AgreementResult:
     """Our model on the prompt plus the reference's new tokens `ref` (and its [N, V]
     logits for them, when we have them)."""
-    # Row len(prompt) - 1 + i predicts the reference's i-th new token.
-    ours = decoder.prompt_logits(prompt + ref[:-1])[len(prompt) - 1:]  # [N, V]
+    ours = decoder.decoded_logits(prompt, ref)  # [N, V]: row i predicts ref[i]
     return AgreementResult(len(prompt), len(ref), *agreement_and_kl(ours, ref, ref_logits))
 
 

@@ -63,3 +63,21 @@ def test_int4_default_model_agrees_and_min_agreement_sets_exit_code(default_gguf
     assert "mean over 2 prompts" in out
     assert main([*argv, "--min-agreement", "1.01"]) == 1
     assert "below --min-agreement 1.01" in capsys.readouterr().out
+
+
+def test_teacher_forcing_decodes_each_token_as_the_server_does(default_gguf):
+    # The default model's 4-bit products run in the CPU kernel for a lone row and in XLA for a
+    # prompt's many rows: parity's forced positions must be the decode's numbers, bit for bit.
+    from models.generate import GreedyDecoder
+    from models.loader import load_model
+
+    decoder = GreedyDecoder(load_model(default_gguf, dtype="float32", quantization="auto"),
+                            max_len=64)
+    prompt = [1, 504, 3575, 282, 4649, 314]
+    tokens, logits = decoder.generate(prompt, 6)
+    forced = decoder.decoded_logits(prompt, tokens)
+    np.testing.assert_array_equal(forced, logits)
+    # One pass over prompt and tokens runs other products: the same argmax, other bits.
+    one_pass = decoder.prompt_logits(prompt + tokens[:-1])[len(prompt) - 1:]
+    assert not np.array_equal(one_pass, forced)
+    np.testing.assert_array_equal(one_pass.argmax(-1), forced.argmax(-1))
