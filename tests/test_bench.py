@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from engine.bench import offline as bench
 
 
@@ -49,3 +51,35 @@ def test_profile_traces_decode_steps_and_reads_the_trace_back(tmp_path):
     assert prof["device_busy_ms_per_step"] is None and prof["top_host"]
     assert all(row["ms_per_step"] > 0 and row["per_step"] > 0 for row in prof["top_host"])
 
+
+
+def test_paired_runs_every_request_alone_on_both_engines_in_turn(tmp_path, monkeypatch):
+    """--paired: each request alone on the engine without drafting and on the one with it,
+    the first of the two alternating, and drafting's gain per request in `paired`."""
+    from engine.bench import paired as paired_module
+
+    calls = []
+    real_run = paired_module.run
+
+    def run(engine, requests, concurrency):
+        calls.append((engine.config.speculative is not None, len(requests), concurrency))
+        return real_run(engine, requests, concurrency)
+
+    monkeypatch.setattr(paired_module, "run", run)
+    out = tmp_path / "paired.json"
+    rc = bench.main(["--random-weights", "--config", "tiny", "--num-prompts", "4",
+                     "--input-len", "24", "--output-len", "6", "--ignore-eos",
+                     "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+                     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                     "--paired", "--output", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["completed"] == 4 and res["total_output_tokens"] == 24
+    assert calls == [(False, 1, 1), (True, 1, 1), (True, 1, 1), (False, 1, 1)] * 2
+    paired = res["paired"]
+    assert paired["requests"] == 4 and paired["plain_compilations_after_warmup"] == 0
+    assert paired["median_tpot_ratio"] > 0 and paired["mean_tpot_ratio"] > 0
+
+
+def test_paired_needs_a_speculative_config():
+    with pytest.raises(SystemExit):
+        bench.main(["--random-weights", "--config", "tiny", "--paired"])

@@ -15,7 +15,9 @@ the LM head per sampled token; attention FLOPs not counted) over the matmul rate
 object with `messages`), rendered with the model's chat template, in place of random token
 ids: `tests/data/grounded_prompts.jsonl` holds edits, rewrites and quoted summaries of a
 given text, where speculative decoding by prompt lookup (`--speculative-config`) has tokens
-to find; the run then reports the drafts' acceptance rate and mean accepted length.
+to find; the run then reports the drafts' acceptance rate and mean accepted length, and with
+`--paired` drafting's gain per request against the same engine without it, both in this
+process (engine/bench/paired.py).
 
 `--json-schema SCHEMA` constrains every reply to a JSON schema (structured output) and adds
 the host time spent filling the grammar masks per step (`grammar_mask_ms_per_step`).
@@ -65,7 +67,8 @@ class _IdsOnly:
     special_token_ids: frozenset[int] = frozenset()
 
 
-def build_engine(args) -> LLMEngine:
+def build_engine(args, num_models: int = 1) -> LLMEngine:
+    """The engine the flags describe; `num_models`: engines that share the KV budget."""
     common = dict(dtype=args.dtype, quantization=args.quantization,
                   kv_cache_dtype=args.kv_cache_dtype,
                   max_model_len=args.max_model_len,
@@ -93,7 +96,7 @@ def build_engine(args) -> LLMEngine:
 
     cfg = EngineConfig(model=model_arg(args.model), **common)
     # The KV pool the server would give this model (its default budget, engine.device).
-    cfg = size_kv(cfg)
+    cfg = size_kv(cfg, num_models=num_models)
     return LLMEngine(cfg, detokenize=False)
 
 
@@ -308,6 +311,10 @@ def main(argv=None) -> int:
                    help='speculative decoding, as the server\'s flag: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' or \'{"model": PATH_OR_NAME, '
                         '"num_speculative_tokens": 4}\'')
+    p.add_argument("--paired", action="store_true",
+                   help="with --speculative-config: also build the engine without it, in this "
+                        "process, and run every request alone on both, alternating "
+                        "(engine/bench/paired.py): drafting's gain per request")
     p.add_argument("--dataset", help="prompts from a JSON-lines file of conversations "
                                      "({'messages': [...]} a line), e.g. "
                                      "tests/data/grounded_prompts.jsonl")
@@ -325,6 +332,8 @@ def main(argv=None) -> int:
     if args.max_model_len is None:
         args.max_model_len = max(defaults.max_model_len,
                                  -(-(args.input_len + args.output_len) // 16) * 16)
+    if args.paired and not args.speculative_config:
+        p.error("--paired compares an engine with --speculative-config to one without it")
     if args.simulate_device_ms is not None:
         _print(simulate(args), args.output)
         return 0
@@ -337,8 +346,13 @@ def main(argv=None) -> int:
 
     # Read before the KV pool takes the device's memory: 4 GiB on an accelerator.
     read_bytes_per_s = read_bandwidth(256 << 20 if jax.default_backend() == "cpu" else 4 << 30)
+    plain = None
+    if args.paired:
+        plain = build_engine(argparse.Namespace(**{**vars(args), "speculative_config": None}),
+                             num_models=2)
+        plain.warmup()
     built = time.perf_counter()
-    engine = build_engine(args)
+    engine = build_engine(args, num_models=2 if args.paired else 1)
     start = time.perf_counter()
     engine.warmup()
     warmup_s = time.perf_counter() - start
@@ -350,7 +364,12 @@ def main(argv=None) -> int:
     requests = (dataset_requests(args, engine) if args.dataset
                 else make_requests(args, cfg.vocab_size, special))
     dense_t1 = dense_seconds(engine.runner, num_tokens=1)
-    timings, duration = run(engine, requests, args.concurrency or args.num_prompts)
+    if plain is not None:
+        from engine.bench.paired import compare
+
+        paired, timings, duration = compare(plain, engine, requests)
+    else:
+        timings, duration = run(engine, requests, args.concurrency or args.num_prompts)
     # Ceilings are peaks: measure again after the run and keep the better reading of each
     # (a single reading on a shared VM can land on a busy moment).
     again = measure_ceilings(engine.runner.dtype, args.max_num_seqs, cfg.hidden_size,
@@ -369,6 +388,8 @@ def main(argv=None) -> int:
            "weight_copies": weight_copies(engine.runner),
            **summarize(engine, timings, duration, ceilings), "args": vars(args)}
     res["median_tpot_over_dense_t1"] = res["median_tpot_ms"] / res["dense_t1_ms"]
+    if plain is not None:
+        res["paired"] = paired
     if args.profile:
         from engine.profiling import describe, profile_steps
 
@@ -376,7 +397,10 @@ def main(argv=None) -> int:
                                        args.profile)
         print(describe(res["profile"]))
     _print(res, args.output)
-    return 0 if res["compilations_after_warmup"] == 0 else 1
+    compiled = res["compilations_after_warmup"]
+    if plain is not None:
+        compiled += res["paired"]["plain_compilations_after_warmup"]
+    return 0 if compiled == 0 else 1
 
 
 if __name__ == "__main__":
