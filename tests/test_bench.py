@@ -80,6 +80,9 @@ def test_paired_runs_every_request_alone_on_both_engines_in_turn(tmp_path, monke
     assert paired["median_tpot_ratio"] > 0 and paired["mean_tpot_ratio"] > 0
 
 
-def test_paired_needs_a_speculative_config():
+def test_paired_needs_a_speculative_config_and_one_request_at_a_time():
     with pytest.raises(SystemExit):
         bench.main(["--random-weights", "--config", "tiny", "--paired"])
+    with pytest.raises(SystemExit):
+        bench.main(["--random-weights", "--config", "tiny", "--paired", "--concurrency", "4",
+                    "--speculative-config", '{"method": "ngram"}'])

@@ -334,6 +334,8 @@ def main(argv=None) -> int:
                                  -(-(args.input_len + args.output_len) // 16) * 16)
     if args.paired and not args.speculative_config:
         p.error("--paired compares an engine with --speculative-config to one without it")
+    if args.paired and args.concurrency not in (None, 1):
+        p.error("--paired runs each request alone (--concurrency 1)")
     if args.simulate_device_ms is not None:
         _print(simulate(args), args.output)
         return 0
