@@ -79,30 +79,27 @@ class GreedyDecoder:
         logits, _ = self.run(self.new_cache(), tokens, 0, all_logits=True)
         return logits
 
-    def decoded_logits(self, prompt: list[int], tokens: list[int]) -> np.ndarray:
-        """[len(tokens), V] float32: the logits before each of `tokens`, with the prompt
-        prefilled in one pass and `tokens` then decoded one at a time (teacher-forced), as
-        a server computes a continuation: a decode's products run where a lone row's run
-        (the CPU kernel for quantized weights), not where a prompt's many rows do."""
+    def _decode(self, prompt: list[int], n: int, pick) -> tuple[list[int], np.ndarray]:
+        """The prompt prefilled in one pass, then n tokens decoded one at a time, token i being
+        pick(i, the logits before it), as a server computes a continuation (a decode's products
+        run where a lone row's run: the CPU kernel for quantized weights, not where a prompt's
+        many rows do). Returns the tokens and the [n, V] logits before each."""
         logits, cache = self.run(self.new_cache(), prompt, 0)
-        rows = [logits]
-        for i, token in enumerate(tokens[:-1]):
-            logits, cache = self.run(cache, [token], len(prompt) + i)
-            rows.append(logits)
-        return np.stack(rows)
+        tokens, steps = [], []
+        for i in range(n):
+            steps.append(logits)
+            tokens.append(pick(i, logits))
+            if i + 1 < n:
+                logits, cache = self.run(cache, [tokens[-1]], len(prompt) + i)
+        return tokens, np.stack(steps)
+
+    def decoded_logits(self, prompt: list[int], tokens: list[int]) -> np.ndarray:
+        """[len(tokens), V] float32: the logits before each of `tokens`, teacher-forced."""
+        return self._decode(prompt, len(tokens), lambda i, _: tokens[i])[1]
 
     def generate(self, prompt: list[int], max_new_tokens: int):
         """Greedy continuation; returns (new token ids, [max_new_tokens, V] logits)."""
-        cache = self.new_cache()
-        logits, cache = self.run(cache, prompt, 0)
-        out, steps = [], []
-        for i in range(max_new_tokens):
-            steps.append(logits)
-            token = int(np.argmax(logits))
-            out.append(token)
-            if i + 1 < max_new_tokens:
-                logits, cache = self.run(cache, [token], len(prompt) + i)
-        return out, np.stack(steps)
+        return self._decode(prompt, max_new_tokens, lambda _, logits: int(np.argmax(logits)))
 
 
 def main(argv=None) -> int:

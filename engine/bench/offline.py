@@ -34,12 +34,10 @@ work hides behind the device's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import platform
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -47,14 +45,15 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from engine.bench import paired
 from engine.bench.ceilings import dense_seconds, measure_ceilings, read_bandwidth, weight_copies
 from engine.bench.simulated import SimulatedRunner
+from engine.bench.timings import latency_stats, run, summarize
 from engine.config import CPU_KERNELS, LAYER_LOOPS, EngineConfig
 from engine.device import size_kv
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from models.registry import param_specs
 from ops.attention import BACKENDS
 from ops.kv_cache import KV_CACHE_DTYPES
 from ops.quantization import CHOICES as QUANTIZATION_CHOICES
@@ -126,7 +125,7 @@ def simulate(args) -> dict:
             "device_idle_ms_per_step": (duration - runner.busy_s) / runner.num_steps * 1e3,
             "device_busy_fraction": runner.busy_s / duration,
             "async_scheduling": engine.async_scheduling,
-            **_stats("tpot", [(t.end - t.first) / (t.output_len - 1) for t in done
+            **latency_stats("tpot", [(t.end - t.first) / (t.output_len - 1) for t in done
                               if t.output_len > 1]),
             "num_preemptions": engine.scheduler.num_preemptions, "args": vars(args)}
 
@@ -177,88 +176,6 @@ def make_requests(args, vocab: int, special: frozenset[int]):
                                             ignore_eos=args.ignore_eos, seed=rng.getrandbits(32),
                                             structured_outputs=structured)))
     return reqs
-
-
-@dataclasses.dataclass
-class _Timing:
-    start: float
-    prompt_len: int
-    first: float | None = None
-    end: float | None = None
-    output_len: int = 0
-
-
-def run(engine: LLMEngine, requests, concurrency: int) -> tuple[dict[str, _Timing], float]:
-    pending = list(requests)
-    timings: dict[str, _Timing] = {}
-    in_flight = 0
-    start = time.perf_counter()
-    while pending or engine.has_unfinished():
-        while pending and in_flight < concurrency:
-            prompt, params = pending.pop(0)
-            rid = engine.add_request(prompt, params)
-            timings[rid] = _Timing(time.perf_counter(), len(prompt))
-            in_flight += 1
-        outs = engine.step()
-        now = time.perf_counter()
-        for out in outs:  # (deltas: each holds the tokens new since the last)
-            t = timings[out.request_id]
-            t.output_len += len(out.outputs[0].token_ids)
-            if t.first is None and t.output_len:
-                t.first = now
-            if out.finished:
-                t.end = now
-                in_flight -= 1
-    return timings, time.perf_counter() - start
-
-
-def _stats(name: str, values_s: list[float]) -> dict:
-    ms = sorted(v * 1000 for v in values_s) or [float("nan")]
-    return {f"mean_{name}_ms": statistics.fmean(ms), f"median_{name}_ms": statistics.median(ms),
-            f"p99_{name}_ms": float(np.percentile(ms, 99))}
-
-
-def summarize(engine: LLMEngine, timings, duration: float, ceilings: dict) -> dict:
-    done = list(timings.values())
-    out_tokens = sum(t.output_len for t in done)
-    in_tokens = sum(t.prompt_len for t in done)
-    cfg = engine.runner.model_config
-    # The model's weights as float parameters (a quantized matrix's scales are not FLOPs).
-    n_params = sum(int(np.prod(spec.shape)) for spec in param_specs(cfg).values())
-    embed = cfg.vocab_size * cfg.hidden_size
-    dense = n_params - embed - (0 if cfg.tie_word_embeddings else embed)
-    flops = 2 * dense * (in_tokens + out_tokens) + 2 * embed * out_tokens
-    achieved = flops / duration
-    res = {
-        "completed": len(done), "duration_s": duration,
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-        "request_throughput": len(done) / duration,
-        "output_throughput": out_tokens / duration,
-        "total_token_throughput": (in_tokens + out_tokens) / duration,
-        **_stats("ttft", [t.first - t.start for t in done]),
-        **_stats("tpot", [(t.end - t.first) / (t.output_len - 1) for t in done
-                          if t.output_len > 1]),
-        **_stats("e2el", [t.end - t.start for t in done]),
-        "achieved_dense_flops_per_s": achieved,
-        "ceiling_fraction": achieved / ceilings["matmul_flops_per_s"],
-        "compilations_after_warmup": engine.runner.compilations_after_warmup,
-        "async_scheduling": engine.async_scheduling,
-        "num_preemptions": engine.scheduler.num_preemptions,
-    }
-    if engine.config.speculative is not None:
-        spec = engine.scheduler.spec_stats
-        res.update(spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
-                   spec_acceptance_rate=spec.acceptance_rate,
-                   spec_mean_accepted_length=spec.mean_accepted_length)
-        if engine.draft is not None:  # a draft model: its rounds and what one took
-            round_s = engine.scheduler.step_costs.draft_round
-            res.update(spec_draft_rounds=engine.draft.num_rounds,
-                       spec_draft_round_ms=None if round_s is None else 1e3 * round_s)
-    if engine.grammars.mask_steps:  # host time filling grammar masks (beside the body)
-        res["grammar_mask_steps"] = engine.grammars.mask_steps
-        res["grammar_mask_ms_per_step"] = (1e3 * engine.grammars.mask_seconds
-                                           / engine.grammars.mask_steps)
-    return res
 
 
 def main(argv=None) -> int:
@@ -332,10 +249,8 @@ def main(argv=None) -> int:
     if args.max_model_len is None:
         args.max_model_len = max(defaults.max_model_len,
                                  -(-(args.input_len + args.output_len) // 16) * 16)
-    if args.paired and not args.speculative_config:
-        p.error("--paired compares an engine with --speculative-config to one without it")
-    if args.paired and args.concurrency not in (None, 1):
-        p.error("--paired runs each request alone (--concurrency 1)")
+    if args.paired and (why := paired.refusal(args)):
+        p.error(why)
     if args.simulate_device_ms is not None:
         _print(simulate(args), args.output)
         return 0
@@ -348,11 +263,7 @@ def main(argv=None) -> int:
 
     # Read before the KV pool takes the device's memory: 4 GiB on an accelerator.
     read_bytes_per_s = read_bandwidth(256 << 20 if jax.default_backend() == "cpu" else 4 << 30)
-    plain = None
-    if args.paired:
-        plain = build_engine(argparse.Namespace(**{**vars(args), "speculative_config": None}),
-                             num_models=2)
-        plain.warmup()
+    plain = paired.plain_engine(args, build_engine) if args.paired else None
     built = time.perf_counter()
     engine = build_engine(args, num_models=2 if args.paired else 1)
     start = time.perf_counter()
@@ -367,9 +278,7 @@ def main(argv=None) -> int:
                 else make_requests(args, cfg.vocab_size, special))
     dense_t1 = dense_seconds(engine.runner, num_tokens=1)
     if plain is not None:
-        from engine.bench.paired import compare
-
-        paired, timings, duration = compare(plain, engine, requests)
+        pairs, timings, duration = paired.compare(plain, engine, requests)
     else:
         timings, duration = run(engine, requests, args.concurrency or args.num_prompts)
     # Ceilings are peaks: measure again after the run and keep the better reading of each
@@ -391,7 +300,7 @@ def main(argv=None) -> int:
            **summarize(engine, timings, duration, ceilings), "args": vars(args)}
     res["median_tpot_over_dense_t1"] = res["median_tpot_ms"] / res["dense_t1_ms"]
     if plain is not None:
-        res["paired"] = paired
+        res["paired"] = pairs
     if args.profile:
         from engine.profiling import describe, profile_steps
 

@@ -12,10 +12,29 @@ the median of those ratios and the ratio of the mean times (`paired` in the JSON
 
 from __future__ import annotations
 
+import argparse
 import statistics
 
-from engine.bench.offline import run
+from engine.bench.timings import run
 from engine.llm_engine import LLMEngine
+
+
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why the bench's flags cannot run `--paired`, or None."""
+    if not args.speculative_config:
+        return "--paired compares an engine with --speculative-config to one without it"
+    if args.concurrency not in (None, 1):
+        return "--paired runs each request alone (--concurrency 1)"
+    return None
+
+
+def plain_engine(args: argparse.Namespace, build_engine) -> LLMEngine:
+    """The engine of the bench's flags without --speculative-config, warmed up, with half the
+    KV budget (`build_engine(args, num_models)`: the other half is the drafting engine's)."""
+    plain = build_engine(argparse.Namespace(**{**vars(args), "speculative_config": None}),
+                         num_models=2)
+    plain.warmup()
+    return plain
 
 
 def _tpot(timings) -> float | None:
