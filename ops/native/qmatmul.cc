@@ -68,11 +68,18 @@ inline void PrefetchBytes(const void* p, int64_t bytes, bool once = false) {
   }
 }
 
-// One output row's float16 scales (or minimums) -> float32 in `out`.
+// One output row's float16 scales (or minimums) -> float32 in `out`. A row of 16 or more
+// ends with its last 16, again where they overlap the ones before (the same values): a
+// partial vector goes through memcpy on AVX2, a fifth of the time of a one-row product of 18
+// groups (the default model's rows, a 2-vCPU Zen 3).
 inline void Halves(const uint16_t* h, int64_t n, float* out) {
+  if (n < 16) {
+    Store(out, FromHalves(h, n), n);
+    return;
+  }
   int64_t g = 0;
   for (; g + 16 <= n; g += 16) Store(out + g, FromHalves(h + g));
-  if (g < n) Store(out + g, FromHalves(h + g, n - g), n - g);
+  if (g < n) Store(out + n - 16, FromHalves(h + n - 16));
 }
 
 // One matrix of a call: w = q * scale (+ min) of one layer, and its product y [T, O].
@@ -213,13 +220,9 @@ void PackedTile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
         // Per 32-bit lane: |high| <= 8 * 15 * 128, so 65536 * high + 256 * middle + low, exact,
         // stays below 2^31.
         const Bytes64* d = digits + (t * Q + qd) * 2 * kDigits;
-        Ints high = DotNibblesSigned(ZeroI(), lo, LoadB(d[0].b));  // the high bytes are signed
-        high = DotNibblesSigned(high, hi, LoadB(d[1].b));
-        Ints middle = DotUnsignedNibbles(ZeroI(), LoadB(d[2].b), lo);
-        middle = DotUnsignedNibbles(middle, LoadB(d[3].b), hi);
-        Ints low = DotUnsignedNibbles(ZeroI(), LoadB(d[4].b), lo);
-        low = DotUnsignedNibbles(low, LoadB(d[5].b), hi);
-        const Floats sum = ToFloat(AddI(AddI(ShiftLeft(high, 16), ShiftLeft(middle, 8)), low));
+        const Floats sum = ToFloat(DotDigits(lo, hi, LoadB(d[0].b), LoadB(d[1].b),
+                                             LoadB(d[2].b), LoadB(d[3].b), LoadB(d[4].b),
+                                             LoadB(d[5].b)));
         const Floats xs = Load(reinterpret_cast<const float*>(xscale[t * Q + qd].b));
         acc[t] = Fma(sum, Mul(ws, xs), acc[t]);
       }
