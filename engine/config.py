@@ -198,9 +198,15 @@ class EngineConfig:
     @property
     def step_buckets(self) -> tuple[int, ...]:
         """Decodes of up to FUSED_MAX_SEQS sequences, one token each (buckets (N, N)), run as
-        one executable, body and head together (a lone decode, at the default)."""
-        return tuple(n for n in self.seq_buckets
-                     if n <= FUSED_MAX_SEQS and n in self.token_buckets)
+        one executable, body and head together (a lone decode, at the default). With
+        speculative decoding, also a lone sequence's drafting step: its last token and k
+        drafts are k + 1 tokens and as many head rows (N, N), cut to a bucket by the
+        scheduler (speculative.fit_drafts); such a step cannot overlap the host's work, so
+        the head's launch is all exposed."""
+        most = FUSED_MAX_SEQS
+        if self.speculative is not None:
+            most = max(most, self.speculative.num_speculative_tokens + 1)
+        return tuple(n for n in self.seq_buckets if n <= most and n in self.token_buckets)
 
     def buckets(self) -> list[tuple[str, int]]:
         """Every executable warmup compiles: ("tokens", T) bodies, ("seqs", S) heads, ("step",

@@ -3,6 +3,8 @@ device is handed for a scheduled step."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -36,6 +38,9 @@ def test_buckets_are_one_body_per_token_count_and_one_head_per_sequence_count():
     assert CFG.token_buckets == (1, 2, 4, 8, 16, 32, 64)
     assert CFG.seq_buckets == (1, 2, 4, 8)
     assert CFG.step_buckets == (1,)  # a lone decode: body and head in one
+    for k, fused in ((1, (1, 2)), (4, (1, 2, 4)), (7, (1, 2, 4, 8))):  # and its drafting step
+        spec = {"method": "ngram", "num_speculative_tokens": k}
+        assert dataclasses.replace(CFG, speculative=spec).step_buckets == fused
     assert CFG.buckets() == [("tokens", t) for t in CFG.token_buckets] + [
         ("seqs", s) for s in CFG.seq_buckets] + [("step", 1), ("penalties", 1)]
     assert CFG.bucket_for(1, 1) == (1, 1)       # a lone decode is one row, not 16

@@ -342,12 +342,13 @@ def test_penalties_match_a_host_reference_across_reused_slots(engine, plain):
                     break  # a near-tie: the rest follows another path
 
 
-def test_speculative_steps_give_the_same_outputs(engine, plain):
+def test_speculative_steps_give_the_same_outputs(engine, plain, monkeypatch):
     """Drafting by prompt lookup (engine/speculative.py) and by a draft model (the default
     model drafting for itself, engine/draft_model.py) changes no output: the mixed workload
     beside prompts that repeat themselves (so drafts are found, kept and rejected), greedy and
     seeded, with logprobs, stops and n > 1; no compilation; the greedy prompts equal plain
-    decoding. The draft model's drafts are nearly all kept (its K/V kept in step with the
+    decoding; prompt lookup's drafting steps run fused (body and head in one executable).
+    The draft model's drafts are nearly all kept (its K/V kept in step with the
     target's through preemption-free rounds, rollbacks and prefix-cache hits)."""
     import dataclasses
 
@@ -368,15 +369,24 @@ def test_speculative_steps_give_the_same_outputs(engine, plain):
                        SamplingParams(temperature=0.7, seed=4, max_tokens=40,
                                       structured_outputs=listed)]
     compiled = engine.runner.compilations_after_warmup
-    # The draft: the same model and limits, so its executables come from the store.
-    draft = DraftModel(engine.config, ModelRunner(engine.config), engine.tokenizer.eos_token_ids)
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    # The draft: the same model and limits, so its executables come from the store. Its
+    # runner's config drafts, so it also has the fused drafting steps (body and head in one
+    # executable, EngineConfig.step_buckets): prompt lookup runs on it.
+    spare = ModelRunner(dataclasses.replace(engine.config, speculative=ngram))
+    draft = DraftModel(engine.config, spare, engine.tokenizer.eos_token_ids)
     draft.warmup()
+    fused = []
+    for n in (2, 4):
+        step = spare._executables[("step", n)]
+        monkeypatch.setitem(spare._executables, ("step", n),
+                            lambda *a, step=step, n=n: fused.append(n) or step(*a))
     got, logprobs, stats = {}, {}, {}
-    for name, spec in [("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4}),
+    for name, spec in [("plain", None), ("ngram", ngram),
                        ("draft", {"model": engine.config.model, "num_speculative_tokens": 3})]:
         cfg = dataclasses.replace(engine.config, speculative=spec)
-        eng = LLMEngine(cfg, runner=engine.runner, tokenizer=engine.tokenizer,
-                        draft=draft if name == "draft" else None)
+        eng = LLMEngine(cfg, runner=spare if name == "ngram" else engine.runner,
+                        tokenizer=engine.tokenizer, draft=draft if name == "draft" else None)
         eng.scheduler.step_costs = EqualCosts()  # drafting as on an accelerator at batch 1
         outs = eng.generate(prompts, params)
         # the grammar alone (drafting only while a step has few sequences): its drafts
@@ -390,11 +400,14 @@ def test_speculative_steps_give_the_same_outputs(engine, plain):
                      for o in outs]
         logprobs[name] = [lp.logprob for o in outs for c in o.outputs for lp in c.logprobs or []]
         stats[name] = eng.scheduler.spec_stats
+        if name == "ngram":  # (the draft's rounds may run them too)
+            fused_steps = list(fused)
         assert name == "plain" or grammar_kept > 0, name
     for name in ("ngram", "draft"):
         assert got[name] == got["plain"], name
         np.testing.assert_allclose(logprobs[name], logprobs["plain"], atol=2e-3)
     assert 0 < stats["ngram"].num_accepted_tokens < stats["ngram"].num_draft_tokens
+    assert {2, 4} <= set(fused_steps)  # drafting steps ran fused
     assert stats["draft"].num_accepted_tokens >= 0.9 * stats["draft"].num_draft_tokens > 0
     assert engine.runner.compilations_after_warmup == compiled
     assert draft.runner.compilations_after_warmup == 0 and draft.runner.num_stored_loads > 0
