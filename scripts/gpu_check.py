@@ -30,8 +30,8 @@ leaves no time for are reported as skipped):
 6. with --parity-model: `python -m models.parity` in bfloat16 against a saved transformers
    reference (`--save-reference`, made on a CPU machine), and a greedy chat through
    `python -m server` serving that model on the device, and the same model at one stream on
-   tests/data/grounded_prompts.jsonl without and with speculative decoding by prompt lookup
-   (`speculative`: the TPOT ratio and the acceptance); `--parity-model` and
+   tests/data/grounded_prompts.jsonl without and with speculative decoding by prompt lookup,
+   paired in one process (`speculative`: the TPOT ratio and the acceptance); `--parity-model` and
    `--parity-reference` may be given again for more models (parity only, steps `parity_2`...).
 7. the engine bench for the default model's shape (smollm2-135m) at batch 1: TPOT beside
    its matmuls alone (`dense_t1`), its decode traced; then again with the layer loop inside

@@ -128,14 +128,19 @@ def test_the_report_covers_every_parity_model(capsys):
 
 @pytest.mark.slow
 def test_the_speculative_step_on_a_real_model(tmp_path, default_gguf):
-    """The kit's `speculative` step (with --parity-model) on the CPU: both benches run, and
-    the report holds the ratio and the drafts' acceptance."""
+    """The kit's `speculative` step (with --parity-model) on the CPU: the paired bench runs,
+    and the report holds the ratio and the drafts' acceptance."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
+        import gpu_check_report
         import gpu_check_steps
     finally:
         sys.path.remove(str(ROOT / "scripts"))
     step = gpu_check_steps.speculative(tmp_path, str(default_gguf), "float32", 600, smoke=True)
     assert step["ok"], step
     assert step["result"]["speedup"] > 0 and step["result"]["tpot_plain_ms"] > 0
-    assert step["runs"]["ngram"]["result"]["compilations_after_warmup"] == 0
+    assert step["result"]["requests"] == 2 and step["result"]["spec_acceptance_rate"] > 0
+    assert step["result"]["compilations_after_warmup"] == [0, 0]
+    report = {"steps": [step], "big": "llama_3_8b", "batch": 64, "smoke": True}
+    assert "speculative decoding (ngram), one stream: TPOT plain / drafting" in {
+        what for what, *_ in gpu_check_report.checks(report)}
