@@ -23,7 +23,8 @@ POOLING_TYPES = ("auto", "mean", "cls", "last")
 # Decodes of up to this many sequences run body and head as one executable: a lone decode
 # saves the chained head's launch with it, a few sequences saved nothing measurable, and each
 # fused executable holds memory of its own (docs/performance-log.md, "A lone decode in one
-# executable").
+# executable"). With speculative decoding a lone sequence's drafting step is fused too
+# (EngineConfig.step_buckets).
 FUSED_MAX_SEQS = 1
 # A request's outputs wait on its stream until the consumer takes them (engine/request_stream.py).
 # Past STREAM_MAX_ITEMS waiting outputs a new delta merges into the last one, so a consumer
