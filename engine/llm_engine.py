@@ -233,13 +233,15 @@ class LLMEngine:
         return [] if previous is None else self._read(*previous)
 
     def _draw_drafts(self, out: SchedulerOutput) -> float:
-        """The draft model draws the drafts `out` booked; its rounds' time feeds the cost
-        model. Returns the seconds they took."""
+        """The draft model draws the drafts `out` booked; its rounds of a token or two a
+        sequence feed the cost model. Returns the seconds the whole draw took, rounds that
+        write a prompt's draft K/V included: none of it is the target's step."""
+        start = time.perf_counter()
         self.draft.draw(out, self._seeds,
                         (self.grammars, self._matchers) if self._matchers else None)
         for seconds in self.draft.round_seconds:
             self.scheduler.step_costs.record_round(seconds)
-        return sum(self.draft.round_seconds)
+        return time.perf_counter() - start
 
     def _read(self, out: SchedulerOutput, pending, bucket: int,
               drafting_s: float = 0.0) -> list[RequestOutput]:
@@ -249,8 +251,8 @@ class LLMEngine:
         from the previous step's result to this one's, while the engine is busy: the device's
         time and the host's share that did not overlap it, so a drafting step (which waits
         for the token before it) pays for the overlap it gives up, and a step is timed at the
-        context its sequences have. A draft model's rounds (`drafting_s`) are counted apart
-        (StepCosts.draft_round)."""
+        context its sequences have. The draft model's time before the step (`drafting_s`) is
+        not the step's: its rounds are learnt apart (StepCosts.draft_round)."""
         waited = time.perf_counter()
         result = pending.result()
         done = time.perf_counter()
