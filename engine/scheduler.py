@@ -164,8 +164,10 @@ class Scheduler:
                     self._draft(entry, min(budget - 1, rows), tokens, gain)
                     num_drafts += len(entry.drafts)
                 if n == seq.num_tokens - seq.num_computed_tokens:  # a decode: it samples
-                    drafter = self._drafters.get(seq.seq_id, Drafter)
-                    gain += expected_tokens(drafter.acceptance, len(entry.drafts))
+                    drafter = self._drafters.get(seq.seq_id)
+                    acceptance = (self.spec_stats.recent_acceptance if drafter is None
+                                  else drafter.acceptance)
+                    gain += expected_tokens(acceptance, len(entry.drafts))
                 scheduled.append(entry)
                 budget -= entry.num_new_tokens
                 i += 1
@@ -222,7 +224,8 @@ class Scheduler:
 
     def _pays(self, seq: Sequence, tokens: int, gain: float, room: int) -> int:
         """Drafts (0 .. room) that pay for `seq` in a step of `tokens` tokens and `gain`."""
-        return drafts_that_pay(self._drafters.get(seq.seq_id), room, tokens, gain,
+        return drafts_that_pay(self._drafters.get(seq.seq_id),
+                               self.spec_stats.recent_acceptance, room, tokens, gain,
                                lambda n: self.config.bucket_for(n, 1)[0], self.step_costs)
 
     def may_speculate(self) -> bool:
@@ -249,7 +252,7 @@ class Scheduler:
             room = min(room, p.max_tokens - seq.num_output_tokens - 1)
         if room < 1:
             return
-        drafter = self._drafters.setdefault(seq.seq_id, Drafter())
+        drafter = self._drafter(seq)
         if spec.method == "draft_model":  # drawn once the step is booked (engine/draft_model.py)
             drafts = [TO_DRAW] * room
         else:
@@ -269,6 +272,13 @@ class Scheduler:
         entry.drafts = drafts
         entry.num_new_tokens += len(drafts)
 
+    def _drafter(self, seq: Sequence) -> Drafter:
+        """A sequence's drafting state; a new one starts from the acceptance the sequences
+        before it met lately (SpecDecodeStats.recent_acceptance)."""
+        if seq.seq_id not in self._drafters:
+            self._drafters[seq.seq_id] = Drafter(acceptance=self.spec_stats.recent_acceptance)
+        return self._drafters[seq.seq_id]
+
     def _verify(self, entry: ScheduledSeq, rows: list[int]) -> list[int]:
         """A drafting entry's result: keep the drafts up to the first that differs from the
         token sampled before it, then that sampled token; roll the rest back (their K/V is
@@ -277,7 +287,7 @@ class Scheduler:
         kept = accepted_length(drafts, rows)
         self.spec_stats.record(len(drafts), kept)
         base = entry.start + 1  # the last token before the drafts is computed
-        self._drafters.setdefault(seq.seq_id, Drafter()).record(
+        self._drafter(seq).record(
             base - seq.num_prompt_tokens, len(drafts), kept)
         seq.truncate(base)  # the drafts and the pending token
         seq.num_computed_tokens = base + kept

@@ -227,11 +227,19 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    # How often a draft position was kept lately, over every sequence (a moving average, as
+    # a Drafter's but slower): where a new sequence's drafter starts, so that a workload whose
+    # drafts are kept drafts in full from a request's first step.
+    recent_acceptance: float = Drafter.acceptance
+
+    RATE = 0.05
 
     def record(self, proposed: int, accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
+        for kept in [1.0] * accepted + [0.0] * (accepted < proposed):
+            self.recent_acceptance += self.RATE * (kept - self.recent_acceptance)
         grow = proposed - len(self.accepted_per_position)
         if grow > 0:
             self.accepted_per_position.extend([0] * grow)
@@ -248,13 +256,13 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-def drafts_that_pay(drafter: Drafter | None, room: int, tokens: int, gain: float, bucket_of,
-                    costs: StepCosts) -> int:
-    """`choose_drafts` for a sequence's drafter (None: none yet, the prior acceptance); in
+def drafts_that_pay(drafter: Drafter | None, prior: float, room: int, tokens: int, gain: float,
+                    bucket_of, costs: StepCosts) -> int:
+    """`choose_drafts` for a sequence's drafter (None: none yet, the `prior` acceptance); in
     full while it probes after having stepped aside."""
     if drafter is not None and drafter.probing:
         return room
-    acceptance = Drafter.acceptance if drafter is None else drafter.acceptance
+    acceptance = prior if drafter is None else drafter.acceptance
     return choose_drafts(acceptance, room, tokens, gain, bucket_of, costs)
 
 

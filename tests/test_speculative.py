@@ -322,13 +322,18 @@ def test_drafts_fill_a_bucket_and_rejected_ones_give_their_pages_back():
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_the_cost_model_learns_each_step_from_the_result_before_it(overlap, monkeypatch):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_the_cost_model_learns_each_step_from_the_result_before_it(overlap, method,
+                                                                   monkeypatch):
     """On a clock the test moves: the host's scheduling takes 0.5 ms a step, the device 2 ms
     plus 1 ms a token of the step's bucket (the clock moves while the host waits for a
     result). Every step the cost model learns (all but a busy spell's first) cost exactly
     both, drafting or not, and an idle minute between two requests is in none of them; with
     overlap, a step read in the call after the one that scheduled it cost its device time
-    alone (its host work was done before the previous result)."""
+    alone (its host work was done before the previous result). A draft model's steps (10 ms
+    plus 3 ms a token) are in none of the target's: a drafting round of a token a sequence
+    is learnt apart, and a sequence's first round, which writes the draft's K/V for its
+    whole prompt, in neither."""
     import engine.llm_engine
 
     clock = [0.0]
@@ -351,13 +356,28 @@ def test_the_cost_model_learns_each_step_from_the_result_before_it(overlap, monk
             super().__init__()
             self.seen = []
 
+            self.rounds = []
+
         def record(self, bucket, seconds):
             self.seen.append((bucket, seconds))
 
+        def record_round(self, seconds):
+            self.rounds.append(seconds)
+
+    class DraftRunner(FakeRunner):
+        def run(self, batch):
+            clock[0] += 0.010 + 0.003 * batch.bucket[0]
+            return super().run(batch)
+
+    spec = NGRAM if method == "ngram" else DRAFTING
     cfg = EngineConfig(model="fake", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
-                       async_scheduling=overlap, speculative=NGRAM)
+                       async_scheduling=overlap, speculative=spec)
     tokenizer = types.SimpleNamespace(eos_token_ids=frozenset({EOS}), vocab_size=10**6)
-    eng = LLMEngine(cfg, runner=TimedRunner(modulus=10), tokenizer=tokenizer, detokenize=False)
+    draft = None if method == "ngram" else DraftModel(
+        dataclasses.replace(cfg, speculative=None), DraftRunner(modulus=10),
+        tokenizer.eos_token_ids)
+    eng = LLMEngine(cfg, runner=TimedRunner(modulus=10), tokenizer=tokenizer, detokenize=False,
+                    draft=draft)
     costs = eng.scheduler.step_costs = Recorded()
     schedule = eng.scheduler.schedule
 
@@ -371,13 +391,20 @@ def test_the_cost_model_learns_each_step_from_the_result_before_it(overlap, monk
         eng.generate([prompt], [params])
         clock[0] += 60.0  # idle
     buckets = {b for b, _ in costs.seen}
-    assert 1 in buckets and len(buckets) > 1  # plain steps and drafting ones
+    if method == "ngram":  # plain steps and drafting ones
+        assert 1 in buckets and len(buckets) > 1
+    else:  # a draft model always right: every step but the prompt's drafts
+        assert buckets - {1}
     assert eng.scheduler.spec_stats.num_accepted_tokens > 0
     for bucket, seconds in costs.seen:
         device = 0.002 + 0.001 * bucket
         assert (seconds == pytest.approx(device + 0.0005)
                 or overlap and seconds == pytest.approx(device)), (bucket, seconds)
     assert len(costs.seen) >= 2 * 24 / 4  # (each request's steps but its first)
+    if method == "draft_model":  # one sequence: rounds of a token or two (buckets 1, 2)
+        assert len(costs.rounds) >= 2 * 24 / 4
+        for seconds in costs.rounds:
+            assert seconds in (pytest.approx(0.013), pytest.approx(0.016)), seconds
 
 
 def test_drafts_are_as_many_as_pay_for_their_step():
@@ -393,6 +420,40 @@ def test_drafts_are_as_many_as_pay_for_their_step():
     assert choose_drafts(0.3, 3, 0, 0.0, bucket, cpu) == 0
     assert choose_drafts(0.99, 7, 0, 0.0, bucket, linear) == 0
     assert choose_drafts(0.7, 3, 0, 0.0, bucket, StepCosts()) == 3  # nothing timed: try
+
+
+def test_a_new_sequence_drafts_from_the_acceptance_seen_lately():
+    """A sequence's first drafts are as many as the acceptance the sequences before it met
+    pays for: with the step costs of a 2-core CPU verifying a draft model's drafts, one
+    draft at the 0.7 assumed before any evidence, three after drafts were kept throughout."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    cfg = EngineConfig(model="", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+                       block_size=4, num_blocks=40, speculative=NGRAM)
+    sched = Scheduler(cfg, BlockManager(cfg.total_blocks, cfg.block_size),
+                      eos_token_ids=frozenset({EOS}))
+    sched.step_costs = StepCosts({1: 0.094, 2: 0.110, 4: 0.148, 8: 0.151})
+    sched.step_costs.draft_round = 0.033  # (each draft costs a round, as a draft model's)
+
+    def first_drafts() -> int:
+        s = Sequence([*range(10, 25), 10], SamplingParams(max_tokens=20), 4)
+        sched.add(s)
+        sched.postprocess(sched.schedule(), [[11]])  # the prompt: [10, 11] -> 12, 13, 14
+        out = sched.schedule(speculate=True)
+        (entry,) = out.scheduled
+        drafts = len(entry.drafts)
+        sched.postprocess(out, [[*entry.drafts, 99]])
+        sched.finish(s, "abort")
+        return drafts
+
+    assert sched.spec_stats.recent_acceptance == Drafter.acceptance == 0.7
+    assert first_drafts() == 1
+    for _ in range(30):
+        sched.spec_stats.record(3, 3)
+    assert sched.spec_stats.recent_acceptance > 0.95
+    assert first_drafts() == 3
 
 
 @pytest.mark.slow
