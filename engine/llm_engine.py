@@ -195,13 +195,16 @@ class LLMEngine:
 
         While any request follows a grammar, steps do not overlap: its next mask needs the
         token just sampled (the mask is still computed while the device runs the body). Nor
-        do steps that may draft (speculative decoding): drafts continue from the last token."""
+        do steps that may draft (speculative decoding): drafts continue from the last token.
+        Where such a step follows an overlapped one, the latter's outputs are returned at once,
+        before the next step is built: a prompt's first token does not wait for drafts drawn
+        after it (a draft model's first round writes its K/V for the whole prompt)."""
         speculate = self.scheduler.may_speculate()
         overlap = self.async_scheduling and not self._matchers and not speculate
-        outputs = []
         if not overlap and self._in_flight is not None:
             previous, self._in_flight = self._in_flight, None
-            outputs = self._read(*previous)
+            if outputs := self._read(*previous):
+                return outputs
         out = self.scheduler.schedule(speculate)
         drafting_s = self._draw_drafts(out) if self.draft is not None else 0.0
         if self._matchers and self.scheduler.speculative is not None:
@@ -226,9 +229,7 @@ class LLMEngine:
             launched = out, self.runner.submit(batch), batch.bucket[0], drafting_s
             self.num_steps += 1
         if not overlap:
-            if launched is None:
-                return outputs
-            return outputs + self._read(*launched)
+            return [] if launched is None else self._read(*launched)
         previous, self._in_flight = self._in_flight, launched
         return [] if previous is None else self._read(*previous)
 

@@ -574,6 +574,37 @@ def test_a_draft_model_gives_the_same_tokens_in_fewer_steps(overlap):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+def test_a_prompts_first_token_comes_out_before_the_drafts_after_it():
+    """Steps overlap until a sequence may draft; then the prompt's step is read and its first
+    token returned at once, before the draft model's first round (which writes the draft's
+    K/V for the whole prompt) and the drafting step after it."""
+    draft_steps = []
+
+    class CountingDraft(FakeRunner):
+        def run(self, batch):
+            draft_steps.append(batch.bucket[0])
+            return super().run(batch)
+
+    cfg = EngineConfig(model="fake", max_model_len=64, max_num_seqs=8,
+                       max_num_batched_tokens=32, async_scheduling=True, speculative=DRAFTING)
+    tokenizer = types.SimpleNamespace(eos_token_ids=frozenset({EOS}), vocab_size=10**6)
+    draft = DraftModel(dataclasses.replace(cfg, speculative=None), CountingDraft(modulus=10),
+                       tokenizer.eos_token_ids)
+    eng = LLMEngine(cfg, runner=FakeRunner(modulus=10), tokenizer=tokenizer, detokenize=False,
+                    draft=draft)
+    eng.scheduler.step_costs = EqualCosts()
+    eng.add_request([3, 4, 5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=12,
+                                                       ignore_eos=True))
+    outputs = []
+    while not outputs:
+        outputs = eng.step()
+    (first,) = outputs
+    assert first.outputs[0].token_ids == [9] and draft_steps == []
+    while eng.has_unfinished():
+        outputs.extend(eng.step())
+    assert draft_steps and eng.scheduler.spec_stats.num_accepted_tokens > 0
+
+
 def test_a_draft_model_under_preemption_aborts_and_stops():
     """Preemption (the draft's K/V of a preempted sequence is written again from its start),
     an abort, and stops inside the drafts: the outputs without speculation."""
