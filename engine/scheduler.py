@@ -164,10 +164,7 @@ class Scheduler:
                     self._draft(entry, min(budget - 1, rows), tokens, gain)
                     num_drafts += len(entry.drafts)
                 if n == seq.num_tokens - seq.num_computed_tokens:  # a decode: it samples
-                    drafter = self._drafters.get(seq.seq_id)
-                    acceptance = (self.spec_stats.recent_acceptance if drafter is None
-                                  else drafter.acceptance)
-                    gain += expected_tokens(acceptance, len(entry.drafts))
+                    gain += expected_tokens(self._acceptance(seq), len(entry.drafts))
                 scheduled.append(entry)
                 budget -= entry.num_new_tokens
                 i += 1
@@ -224,8 +221,9 @@ class Scheduler:
 
     def _pays(self, seq: Sequence, tokens: int, gain: float, room: int) -> int:
         """Drafts (0 .. room) that pay for `seq` in a step of `tokens` tokens and `gain`."""
-        return drafts_that_pay(self._drafters.get(seq.seq_id),
-                               self.spec_stats.recent_acceptance, room, tokens, gain,
+        drafter = self._drafters.get(seq.seq_id)
+        return drafts_that_pay(drafter is not None and drafter.probing, self._acceptance(seq),
+                               room, tokens, gain,
                                lambda n: self.config.bucket_for(n, 1)[0], self.step_costs)
 
     def may_speculate(self) -> bool:
@@ -272,11 +270,16 @@ class Scheduler:
         entry.drafts = drafts
         entry.num_new_tokens += len(drafts)
 
+    def _acceptance(self, seq: Sequence) -> float:
+        """How often `seq`'s drafts are kept: its drafter's, or before it has one, what the
+        sequences before it met lately (SpecDecodeStats.recent_acceptance)."""
+        drafter = self._drafters.get(seq.seq_id)
+        return self.spec_stats.recent_acceptance if drafter is None else drafter.acceptance
+
     def _drafter(self, seq: Sequence) -> Drafter:
-        """A sequence's drafting state; a new one starts from the acceptance the sequences
-        before it met lately (SpecDecodeStats.recent_acceptance)."""
+        """A sequence's drafting state, made on first use from `_acceptance`."""
         if seq.seq_id not in self._drafters:
-            self._drafters[seq.seq_id] = Drafter(acceptance=self.spec_stats.recent_acceptance)
+            self._drafters[seq.seq_id] = Drafter(acceptance=self._acceptance(seq))
         return self._drafters[seq.seq_id]
 
     def _verify(self, entry: ScheduledSeq, rows: list[int]) -> list[int]:

@@ -256,13 +256,12 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-def drafts_that_pay(drafter: Drafter | None, prior: float, room: int, tokens: int, gain: float,
+def drafts_that_pay(probing: bool, acceptance: float, room: int, tokens: int, gain: float,
                     bucket_of, costs: StepCosts) -> int:
-    """`choose_drafts` for a sequence's drafter (None: none yet, the `prior` acceptance); in
-    full while it probes after having stepped aside."""
-    if drafter is not None and drafter.probing:
+    """`choose_drafts` for a sequence of that acceptance; in full while it probes after
+    having stepped aside (Drafter.probing)."""
+    if probing:
         return room
-    acceptance = prior if drafter is None else drafter.acceptance
     return choose_drafts(acceptance, room, tokens, gain, bucket_of, costs)
 
 

@@ -354,9 +354,7 @@ def test_the_cost_model_learns_each_step_from_the_result_before_it(overlap, meth
     class Recorded(EqualCosts):
         def __init__(self):
             super().__init__()
-            self.seen = []
-
-            self.rounds = []
+            self.seen, self.rounds = [], []
 
         def record(self, bucket, seconds):
             self.seen.append((bucket, seconds))
