@@ -120,6 +120,14 @@ def propose(token_ids: list[int] | np.ndarray, k: int, lookup_max: int,
     return []
 
 
+def kept_average(acceptance: float, rate: float, proposed: int, accepted: int) -> float:
+    """A moving average of how often a draft position is kept, after a step that verified
+    `proposed` drafts and kept `accepted`: the kept positions, then the first lost one."""
+    for kept in [1.0] * accepted + [0.0] * (accepted < proposed):
+        acceptance += rate * (kept - acceptance)
+    return acceptance
+
+
 @dataclasses.dataclass
 class Drafter:
     """A sequence's drafting state: how often a draft position was kept (`acceptance`, a
@@ -138,8 +146,7 @@ class Drafter:
     probing: bool = False    # after stepping aside: the next draft goes in full, to learn
 
     def record(self, num_output_tokens: int, proposed: int, accepted: int) -> None:
-        for kept in [1.0] * accepted + [0.0] * (accepted < proposed):
-            self.acceptance += self.RATE * (kept - self.acceptance)
+        self.acceptance = kept_average(self.acceptance, self.RATE, proposed, accepted)
         if proposed:
             self.probing = False
         if proposed and accepted:
@@ -238,8 +245,8 @@ class SpecDecodeStats:
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
-        for kept in [1.0] * accepted + [0.0] * (accepted < proposed):
-            self.recent_acceptance += self.RATE * (kept - self.recent_acceptance)
+        self.recent_acceptance = kept_average(self.recent_acceptance, self.RATE, proposed,
+                                              accepted)
         grow = proposed - len(self.accepted_per_position)
         if grow > 0:
             self.accepted_per_position.extend([0] * grow)
