@@ -71,7 +71,7 @@ class EngineConfig:
     name: str | None = None             # served model name (default: derived from the path)
     dtype: str = "auto"                 # float32 | bfloat16 | auto
     quantization: str = "auto"          # auto | none | int8 | int4: weight-only; auto keeps a
-                                        # GGUF's Q8_0/Q4_0/Q4_1 blocks (ops/quantization.py)
+                                        # GGUF's blocks (models/gguf_blocks.py)
     kv_cache_dtype: str = "auto"        # the KV pages' dtype; auto: float16 on CPU, the
                                         # compute dtype elsewhere (ops.kv_cache)
     max_model_len: int = 2048           # prompt + output tokens per sequence

@@ -1,9 +1,10 @@
 """GGUF weights: llama.cpp tensor names -> HF names; blocks kept or dequantized.
 
-Q8_0, Q4_0 and Q4_1 blocks are exactly our group-32 formats (ops/quantization.py): under
-`--quantization` they are taken over value for value, straight from the file's bytes. Every
-other tensor, and every tensor when no quantization is asked for, is dequantized with the
-`gguf` package. llama.cpp's converter permutes the rows of Llama's Q and K projections (to
+Under `--quantization auto` (and any weight-only scheme of at least their bits) the blocks of
+the types models/gguf_blocks.py holds (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are
+taken over straight from the file's bytes, in one format per stacked parameter. Every other
+tensor, and every tensor when no quantization is asked for, is dequantized with the `gguf`
+package. llama.cpp's converter permutes the rows of Llama's Q and K projections (to
 interleave rotary pairs); we undo it so the weights are in the HF rotate-half layout.
 """
 
@@ -17,17 +18,10 @@ import numpy as np
 
 from models import registry
 from models.config import ModelConfig
+from models.gguf_blocks import KEPT, holds, repack, widen
 from models.gguf_file import GGUFError, open_gguf, read_metadata
 from models.registry import model_class
 from models.weights import WeightError, assemble_params, hf_tensor_rules, quant_plan
-from ops.quantization import QuantFormat
-
-# GGUF block types that are our formats: type -> (format, bytes per block of 32 values).
-KEPT = {
-    gguf.GGMLQuantizationType.Q8_0: (QuantFormat(8, 32), 34),        # f16 d, 32 x int8
-    gguf.GGMLQuantizationType.Q4_0: (QuantFormat(4, 32), 18),        # f16 d, 16 B of nibbles
-    gguf.GGMLQuantizationType.Q4_1: (QuantFormat(4, 32, True), 20),  # f16 d, f16 m, nibbles
-}
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -65,28 +59,6 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def repack(raw: np.ndarray, tensor_type, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
-    """A Q8_0 / Q4_0 / Q4_1 tensor's bytes -> {"q": int8 [O, I], "scale" (and "min"):
-    float16 [O, I / 32], as stored}, with `w = q * scale (+ min)` equal to the gguf package's
-    dequantization bit for bit. The values never pass through a float."""
-    fmt, block_bytes = KEPT[tensor_type]
-    *lead, cols = shape
-    blocks = raw.reshape(-1, block_bytes)
-    f16 = lambda lo, hi: np.ascontiguousarray(blocks[:, lo:hi]).view(np.float16)
-    groups = (*lead, cols // 32)
-    if fmt.bits == 8:
-        q = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)
-    else:  # nibbles: byte j holds value j (low) and value j + 16 (high) of the block
-        nibbles = blocks[:, -16:]
-        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1).astype(np.int8)
-        if not fmt.has_min:
-            q -= 8  # Q4_0: w = d * (nibble - 8)
-    out = {"q": q.reshape(shape), "scale": f16(0, 2).reshape(groups)}
-    if fmt.has_min:
-        out["min"] = f16(2, 4).reshape(groups)
-    return out
-
-
 def load_gguf_params(path: str | Path, cfg: ModelConfig, dtype,
                      quantization: str | None = None) -> tuple[dict, dict]:
     """(parameters on the host, the quantization plan: models/weights.py quant_plan)."""
@@ -99,7 +71,7 @@ def load_gguf_params(path: str | Path, cfg: ModelConfig, dtype,
     for tensor in reader.tensors:
         rule = rules.get(hf_name(tensor.name, layer_names) or "")
         if rule is not None:
-            stored.setdefault(rule.target, set()).add(KEPT.get(tensor.tensor_type, (None,))[0])
+            stored.setdefault(rule.target, set()).add(KEPT.get(tensor.tensor_type))
     quant = quant_plan(cfg, quantization, stored)
 
     def loader(tensor, name, target):
@@ -107,12 +79,12 @@ def load_gguf_params(path: str | Path, cfg: ModelConfig, dtype,
             shape = tuple(reversed(tensor.shape))
             raw = reader.raw(tensor)
             expected = int(np.prod(shape))
-            kept = KEPT.get(tensor.tensor_type)
-            if kept is not None and quant.get(target) == kept[0]:
-                if raw.size * 32 != expected * kept[1]:
-                    raise WeightError(f"{path}: tensor {tensor.name!r} has {raw.size} bytes, "
-                                      f"expected {expected * kept[1] // 32} (truncated file?)")
-                w = repack(raw, tensor.tensor_type, shape)
+            fmt = quant.get(target)
+            if tensor.tensor_type in KEPT and holds(fmt, KEPT[tensor.tensor_type]):
+                try:
+                    w = widen(repack(raw, tensor.tensor_type, shape), fmt)
+                except ValueError as e:
+                    raise WeightError(f"{path}: tensor {tensor.name!r}: {e}") from e
             else:
                 w = gguf.dequantize(raw, tensor.tensor_type)
                 if w.size != expected:

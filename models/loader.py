@@ -94,8 +94,8 @@ def load_model(path: str | Path, dtype: str | None = None,
     """Load weights from any supported source onto the default device, or with a
     tensor-parallel `mesh` straight into their shards (models/sharding.py). `quantization`
     (ops/quantization.py CHOICES; None: "none", every weight float): "auto" keeps a GGUF's
-    Q8_0/Q4_0/Q4_1 blocks, "int8"/"int4" quantize the matrices as they load; an Orbax
-    checkpoint holds its own (scripts/convert.py --quantization) and takes no other.
+    quantized blocks (models/gguf_blocks.py), "int8"/"int4" quantize the matrices as they
+    load; an Orbax checkpoint holds its own (scripts/convert.py --quantization) and takes no other.
     `load_format` "dummy": random weights of the model's shapes, made on the devices
     (benchmarks of a model whose weights are not at hand: its config is enough)."""
     jdtype = resolve_dtype(dtype)

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from models.config import ModelConfig
+from models.gguf_blocks import common_format
 from models.parameters import QUANTIZABLE
 from models.progress import progress_bar
 from models.registry import model_class, param_specs
@@ -56,24 +57,26 @@ def hf_tensor_rules(cfg: ModelConfig) -> dict[str, TensorRule]:
 def quant_plan(cfg: ModelConfig, quantization: str | None,
                stored: dict[str, set] | None = None) -> dict[str, QuantFormat]:
     """Which matrices are quantized, and how. `stored`: our parameter name -> the formats its
-    source tensors already have (a QuantFormat, or None for float). A parameter whose every
-    tensor is stored in one format that we take over losslessly keeps it (GGUF Q8_0, Q4_0,
-    Q4_1, whichever weight-only scheme was asked for: requantizing would only lose; w8a8's
-    matmuls need its own format, so it requantizes them); under a scheme the others get its
-    format, under "auto" they stay float. None or "none": every weight in float. Under
-    int4 an 8-bit vocabulary matrix `name` holds its frequent rows only, the rest are
-    `name + RARE` in int4 (ops/vocab_blocks.py FREQUENT_ROWS)."""
+    source tensors already have (a QuantFormat, or None for float). A parameter whose
+    tensors are all stored in formats we take over (models/gguf_blocks.py KEPT) keeps the
+    narrowest one that holds them all (their `common_format`), under "auto" and under a
+    weight-only scheme of at least its bits (requantizing would only lose); w8a8's matmuls
+    need their own format, so it requantizes. Under a scheme the others get its format,
+    under "auto" they stay float. None or "none": every weight in float. Under int4 an
+    8-bit vocabulary matrix `name` holds its frequent rows only, the rest are `name + RARE`
+    in int4 (ops/vocab_blocks.py FREQUENT_ROWS)."""
     if quantization in (None, "none"):
         return {}
     plan = {}
+    scheme = None if quantization == "auto" else scheme_format(quantization)
     for name in QUANTIZABLE:
         if name == "lm_head" and cfg.tie_word_embeddings:
             continue
-        formats = (stored or {}).get(name, {None})
-        kept = next(iter(formats)) if len(formats) == 1 else None
-        wanted = None if quantization == "auto" else scheme_format(quantization, name)
-        if kept is not None and (wanted is None or not wanted.activations or kept == wanted):
-            plan[name] = kept  # w8a8 needs per-channel int8 throughout: it requantizes
+        kept = common_format((stored or {}).get(name, {None}))
+        wanted = None if scheme is None else scheme_format(quantization, name)
+        if kept is not None and (scheme is None or kept == wanted or (
+                not scheme.activations and kept.bits <= scheme.bits)):
+            plan[name] = kept
         elif wanted is not None:
             plan[name] = wanted
     if quantization == "int4" and frequent_rows(cfg.vocab_size) is not None:

@@ -54,7 +54,7 @@ class QuantFormat:
     packed: bool = False  # 4 bits: two values a byte, uint8 [..., O, I / 2] (`pack`)
 
     def __post_init__(self):
-        if (self.bits not in (4, 8) or self.group < 0 or (self.has_min and self.bits != 4)
+        if (self.bits not in (4, 8) or self.group < 0 or (self.has_min and not self.group)
                 or self.activations not in (0, 8)
                 or (self.activations and (self.bits, self.group) != (8, 0))
                 or (self.packed and (self.bits != 4 or self.group % BLOCK))):
@@ -108,18 +108,20 @@ def quantize(w, fmt: QuantFormat, *, xp=np) -> dict:
     with numpy or (under jit, on the device) jax.numpy.
 
     int8: scale = max|w| / 127 per row (or group). int4: as llama.cpp's Q4_0, the value of
-    largest magnitude maps to -8 exactly, scale = that value / -8, q in [-8, 7]. int4 with
-    minimums: as Q4_1, min = the group's minimum, scale = its range / 15, q in [0, 15]."""
+    largest magnitude maps to -8 exactly, scale = that value / -8, q in [-8, 7]. With
+    minimums: as Q4_1, min = the group's minimum, scale = its range / 15, q in [0, 15]
+    (8 bits: / 127, [0, 127])."""
     w = xp.asarray(w, xp.float32)
     *lead, rows, cols = w.shape
     g = cols if fmt.group == 0 else fmt.group
     fmt.scale_columns(cols)
     blocks = w.reshape(*lead, rows, cols // g, g)
     parts = {}
-    if fmt.has_min:  # as llama.cpp's Q4_1: the group's range onto [0, 15]
+    if fmt.has_min:  # as llama.cpp's Q4_1: the group's range onto [0, 15] (8 bits: 127)
         parts["min"] = blocks.min(-1).astype(SCALE_DTYPE)
         blocks = blocks - parts["min"].astype(xp.float32)[..., None]
-        scale, lo, hi = blocks.max(-1) / 15, 0, 15
+        hi = 15 if fmt.bits == 4 else 127
+        scale, lo = blocks.max(-1) / hi, 0
     elif fmt.bits == 8:
         scale, lo, hi = xp.abs(blocks).max(-1) / 127, -127, 127
     else:  # the first value of largest magnitude, as llama.cpp picks it; a one-hot select

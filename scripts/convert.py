@@ -20,7 +20,7 @@ def main() -> int:
     parser.add_argument("dst", help="output checkpoint directory")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--quantization", choices=CHOICES, default="auto",
-                        help="as the server's: auto stores a GGUF's Q8_0/Q4_0/Q4_1 blocks as "
+                        help="as the server's: auto stores a GGUF's quantized blocks as "
                              "they are, none stores float, int8/int4 quantize")
     args = parser.parse_args()
     convert(args.src, args.dst, args.dtype, args.quantization)

@@ -72,9 +72,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATION_CHOICES,
                    help="weight-only quantization: auto (default) keeps a GGUF file's "
-                        "Q8_0/Q4_0/Q4_1 blocks as they are and loads the rest in float; none "
-                        "loads every weight in float; int8 (per output channel) or int4 (groups "
-                        "of 32 with minimums, 8-bit embeddings) quantize the others at load")
+                        "quantized blocks (Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) as they are and "
+                        "loads the rest in float; none loads every weight in float; int8 (per "
+                        "output channel) or int4 (groups of 32 with minimums, 8-bit "
+                        "embeddings) quantize the others at load")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV pages' dtype: auto (default) is float16 on CPU and the compute "
                         "dtype on GPU/TPU; attention reads it and computes in the compute dtype")

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from attention_cases import LAYER, make_case, oracle
 
-from models.gguf_loader import repack
+from models.gguf_blocks import repack
 from ops import cache_trust, native
 from ops.kv_cache import KVCache
 from ops.quantization import QuantFormat, pack, quantize, scheme_format
@@ -125,6 +125,8 @@ FORMATS = {  # name -> (quantize a float32 [O, I] matrix, packed)
     "int4 group 128 packed": (lambda w: quantize(w, QuantFormat(4, 128)), True),
     "Q4_1": (_gguf(T.Q4_1), False), "Q8_0": (_gguf(T.Q8_0), False),
     "int8 per channel": (lambda w: quantize(w, scheme_format("int8")), False),
+    "int8 group 16 with minimums": (lambda w: quantize(w, QuantFormat(8, 16, has_min=True)),
+                                    False),
 }
 
 

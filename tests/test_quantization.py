@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from models.gguf_blocks import EXACT, KEPT, common_format, repack, widen
 from models.gguf_file import open_gguf
-from models.gguf_loader import KEPT, repack
 from ops import quantization, quantized_linear, vocab_blocks
 from ops.quantization import QuantFormat, dequantize, quantize
 from ops.quantized_linear import linear
@@ -27,22 +27,122 @@ def _weight(rows=24, cols=96, seed=0):
     return (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2, (rows, 1))).astype(np.float32)
 
 
-@pytest.mark.parametrize("tensor_type", [T.Q8_0, T.Q4_0, T.Q4_1])
+@pytest.mark.parametrize("tensor_type", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1])
 def test_gguf_blocks_repack_bit_exact(tensor_type):
     w = _weight()
     raw = gguf.quants.quantize(w, tensor_type).reshape(-1)
     want = gguf.dequantize(raw, tensor_type).reshape(w.shape)
     parts = repack(raw, tensor_type, w.shape)
-    fmt = KEPT[tensor_type][0]
+    fmt = KEPT[tensor_type]
     assert parts["q"].dtype == np.int8 and parts["q"].shape == w.shape
     assert parts["scale"].shape == (w.shape[0], w.shape[1] // 32)
     assert ("min" in parts) == fmt.has_min
-    lo, hi = (-127, 127) if fmt.bits == 8 else (0, 15) if fmt.has_min else (-8, 7)
+    lo, hi = {T.Q8_0: (-127, 127), T.Q4_0: (-8, 7), T.Q4_1: (0, 15), T.Q5_0: (-16, 15),
+              T.Q5_1: (0, 31)}[tensor_type]
     assert lo <= parts["q"].min() and parts["q"].max() <= hi
     got = dequantize(parts["q"], parts["scale"], parts.get("min"), xp=np)
     np.testing.assert_array_equal(got, want)
     jax_got = jax.jit(lambda p: dequantize(p["q"], p["scale"], p.get("min")))(parts)
     np.testing.assert_allclose(np.asarray(jax_got), want, rtol=1e-6, atol=1e-7)
+
+
+def _random_blocks(tensor_type, count: int, seed: int = 0) -> np.ndarray:
+    """`count` blocks of random bytes whose float16 fields (d, and m or dmin) are small
+    finite numbers: every bit pattern of the rest is a valid block."""
+    rng = np.random.default_rng(seed)
+    size = gguf.GGML_QUANT_SIZES[tensor_type][1]
+    raw = rng.integers(0, 256, (count, size), dtype=np.uint8)
+    fields = {T.Q6_K: [208], T.Q4_1: [0, 2], T.Q5_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2]}
+    for at in fields.get(tensor_type, [0]):
+        raw[:, at:at + 2] = rng.uniform(-0.05, 0.05, (count, 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(-1)
+
+
+@pytest.mark.parametrize("tensor_type", list(KEPT), ids=lambda t: t.name)
+def test_every_kept_block_type_holds_the_gguf_packages_values(tensor_type):
+    """Each block type's values, scales and minimums as our format hold them give the `gguf`
+    package's dequantization: bit for bit for EXACT types, and for the K-types within the
+    float16 rounding of each sub-block's scale and minimum (2^-11 of each term)."""
+    values, _ = gguf.GGML_QUANT_SIZES[tensor_type]
+    shape = (4, 16 * values)
+    raw = _random_blocks(tensor_type, 64)
+    want = gguf.dequantize(raw, tensor_type).reshape(shape)
+    fmt = KEPT[tensor_type]
+    parts = repack(raw, tensor_type, shape)
+    assert parts["q"].dtype == np.int8 and parts["q"].shape == shape
+    assert parts["scale"].dtype == np.float16 and parts["scale"].shape == (4, shape[1] // fmt.group)
+    assert ("min" in parts) == fmt.has_min
+    lo, hi = {T.Q8_0: (-128, 127), T.Q4_0: (-8, 7), T.Q4_1: (0, 15), T.Q5_0: (-16, 15),
+              T.Q5_1: (0, 31), T.Q4_K: (0, 15), T.Q5_K: (0, 31), T.Q6_K: (-32, 31)}[tensor_type]
+    assert parts["q"].min() == lo and parts["q"].max() == hi  # 1,024 random values reach both
+    got = dequantize(parts["q"], parts["scale"], parts.get("min"), xp=np)
+    if tensor_type in EXACT:
+        np.testing.assert_array_equal(got, want)
+    else:
+        group = lambda a: np.repeat(np.abs(a.astype(np.float32)), fmt.group, axis=-1)
+        bound = group(parts["scale"]) * np.abs(parts["q"]) + (
+            group(parts["min"]) if fmt.has_min else 0)
+        assert np.all(np.abs(got - want) <= bound * 2.0 ** -11 + 1e-12)
+        assert not np.array_equal(got, want)  # the rounding is real: the test sees it
+
+
+def test_a_stack_of_mixed_block_types_takes_one_format_that_holds_each():
+    """A Q4_K_M file's down projections mix Q4_K and Q6_K layers: the stack is held in 8 bits,
+    groups of 16, with minimums, each layer's values as its own type gives them; Q4_0 with
+    Q4_1 stays in 4 bits, its symmetric values moved onto [0, 15]; a float layer, or groups
+    that do not divide, leave the stack without a format."""
+    assert common_format({KEPT[T.Q4_K], KEPT[T.Q6_K]}) == QuantFormat(8, 16, has_min=True)
+    assert common_format({KEPT[T.Q5_0], KEPT[T.Q8_0]}) == QuantFormat(8, 32)
+    assert common_format({KEPT[T.Q4_0], KEPT[T.Q4_1]}) == QuantFormat(4, 32, has_min=True)
+    assert common_format({KEPT[T.Q4_K], None}) is None
+    assert common_format({QuantFormat(8, 32), QuantFormat(8, 48)}) is None
+    for tensor_type, fmt in [(T.Q4_K, QuantFormat(8, 16, True)), (T.Q6_K, QuantFormat(8, 16, True)),
+                             (T.Q4_0, QuantFormat(4, 32, True)), (T.Q8_0, QuantFormat(8, 16))]:
+        values, _ = gguf.GGML_QUANT_SIZES[tensor_type]
+        shape = (2, 8 * values)
+        parts = repack(_random_blocks(tensor_type, 16, seed=1), tensor_type, shape)
+        wide = widen(parts, fmt)
+        assert wide["scale"].shape == (2, shape[1] // fmt.group) and ("min" in wide) == fmt.has_min
+        if fmt.bits == 4:
+            assert 0 <= wide["q"].min() and wide["q"].max() <= 15
+        np.testing.assert_array_equal(
+            dequantize(wide["q"], wide["scale"], wide.get("min"), xp=np),
+            dequantize(parts["q"], parts["scale"], parts.get("min"), xp=np))
+
+
+def test_a_q4_k_m_file_runs_its_own_blocks(gemma3_gguf):
+    """Gemma 3 270M's Q4_K_M file under auto: every matrix takes over the file's blocks, a
+    stack of mixed types in the format that holds them all, and the loaded weights are the
+    file's (within the K-types' float16 scales); int4 keeps the 4-bit stacks and requantizes
+    the wider ones."""
+    from models.gguf_loader import load_gguf_params
+    from models.loader import load_config
+
+    cfg = load_config(gemma3_gguf)
+    params, auto = load_gguf_params(gemma3_gguf, cfg, jnp.float32, "auto")
+    assert auto == {"embed": QuantFormat(8, 32), "layers.wq": QuantFormat(8, 32),  # Q8_0, Q5_0
+                    "layers.wk": QuantFormat(8, 32), "layers.wv": QuantFormat(8, 32),
+                    "layers.wo": QuantFormat(4, 32, True),  # Q4_K
+                    "layers.w_gate": QuantFormat(8, 32), "layers.w_up": QuantFormat(8, 32),
+                    "layers.w_down": QuantFormat(8, 16, True)}  # Q4_K and Q6_K layers
+    index = open_gguf(gemma3_gguf)
+    types = set()
+    for t in index.tensors:  # the first layer of each type
+        if t.name.endswith("ffn_down.weight") and t.tensor_type not in types:
+            layer = int(t.name.split(".")[1])
+            types.add(t.tensor_type)
+            q, scale, minimum = (params["layers"][k][layer]
+                                 for k in ("w_down", "w_down_scale", "w_down_min"))
+            got = dequantize(q, scale, minimum, xp=np)
+            group = lambda a: np.repeat(np.abs(a.astype(np.float32)), 16, axis=-1)
+            bound = (group(scale) * np.abs(q) + group(minimum)) * 2.0 ** -11
+            assert np.all(np.abs(got - index.values(t)) <= bound + 1e-12), t.name
+    assert types == {T.Q4_K, T.Q6_K}
+    int4 = load_gguf_params(gemma3_gguf, cfg, jnp.float32, "int4")[1]
+    assert int4["layers.wo"] == int4["layers.w_down"] == QuantFormat(4, 32, True)
+    assert int4["layers.wq"] == QuantFormat(4, 32, True)  # Q5_0: 5 bits, requantized
+    # its Q8_0 embedding: the frequent rows as they are, the rest in 4 bits
+    assert int4["embed"] == QuantFormat(8, 32) and int4["embed_rare"] == QuantFormat(4, 32, True)
 
 
 def test_default_model_blocks_repack_bit_exact(default_gguf):
@@ -287,7 +387,8 @@ def test_engine_offers_the_quantization_choices():
 
 
 def test_quantization_plans(default_gguf, tmp_path):
-    """auto keeps a GGUF's Q8_0/Q4_0/Q4_1 blocks and nothing else; a scheme quantizes the rest
+    """auto keeps a GGUF's blocks of the types we hold (the default model's Q8_0/Q4_1) and
+    nothing else; a scheme quantizes the rest
     (int4: the layers in 4 bits with minimums, the embedding / head's frequent rows in 8 and
     the others in 4); none is all float."""
     from tiny_models import save_tiny_hf

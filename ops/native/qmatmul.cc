@@ -249,9 +249,28 @@ void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
     if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G, p.once);
     Halves(p.m.scale + o * G, G, sc);
     if (p.m.minimum) Halves(p.m.minimum + o * G, G, mn);
-    Floats acc0[N], acc1[N];  // two chains, alternating groups
-    for (int t = 0; t < N; ++t) acc0[t] = acc1[t] = Zero();
-    if (gs == 32) {  // GGUF's blocks and int4's default groups: two groups per trip
+    Floats acc0[N], acc1[N], acc2[N], acc3[N];  // chains taking groups in turn
+    for (int t = 0; t < N; ++t) acc0[t] = acc1[t] = acc2[t] = acc3[t] = Zero();
+    if (gs == 16) {  // GGUF's Q6_K groups: four per trip, one chain each
+      int64_t g = 0;
+      for (; g + 3 < G; g += 4) {
+        const int8_t* b = qo + g * 16;
+        const Floats w0 = FromInt8(b), w1 = FromInt8(b + 16);
+        const Floats w2 = FromInt8(b + 32), w3 = FromInt8(b + 48);
+        for (int t = 0; t < N; ++t) {
+          const float* xt = x + t * I + g * 16;
+          acc0[t] = Fma(Mul(w0, Load(xt)), Set(sc[g]), acc0[t]);
+          acc1[t] = Fma(Mul(w1, Load(xt + 16)), Set(sc[g + 1]), acc1[t]);
+          acc2[t] = Fma(Mul(w2, Load(xt + 32)), Set(sc[g + 2]), acc2[t]);
+          acc3[t] = Fma(Mul(w3, Load(xt + 48)), Set(sc[g + 3]), acc3[t]);
+        }
+      }
+      for (; g < G; ++g) {
+        const Floats w0 = FromInt8(qo + g * 16);
+        for (int t = 0; t < N; ++t)
+          acc0[t] = Fma(Mul(w0, Load(x + t * I + g * 16)), Set(sc[g]), acc0[t]);
+      }
+    } else if (gs == 32) {  // GGUF's blocks and int4's default groups: two groups per trip
       int64_t g = 0;
       for (; g + 1 < G; g += 2) {
         const int8_t* b = qo + g * 32;
@@ -300,10 +319,14 @@ void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
       }
     }
     for (int t = 0; t < N; ++t) {
-      float v = ReduceAdd(Add(acc0[t], acc1[t]));
-      if (p.m.minimum) {
+      float v = ReduceAdd(Add(Add(acc0[t], acc2[t]), Add(acc1[t], acc3[t])));
+      if (p.m.minimum) {  // each group's minimum times its sum of x, 16 groups at a time
         const float* xs = p.xsum + (t0 + t) * G;
-        for (int64_t g = 0; g < G; ++g) v += mn[g] * xs[g];
+        Floats m = Zero();
+        int64_t g = 0;
+        for (; g + 16 <= G; g += 16) m = Fma(Load(mn + g), Load(xs + g), m);
+        v += ReduceAdd(m);
+        for (; g < G; ++g) v += mn[g] * xs[g];
       }
       p.m.y[(t0 + t) * p.m.O + o] = v;
     }
