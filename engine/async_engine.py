@@ -62,7 +62,7 @@ class EngineStats:
 
 def _counters(engine: LLMEngine) -> dict[str, int]:
     """An engine's counters (EngineStats' fields that add up over rebuilt engines)."""
-    bm, sched, spec = engine.block_manager, engine.scheduler, engine.scheduler.spec_stats
+    bm, sched, spec = engine.block_manager, engine.scheduler, engine.scheduler.drafting.stats
     return {"prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": sched.num_preemptions, "num_aborted": engine.num_aborted,

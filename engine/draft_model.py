@@ -1,7 +1,7 @@
 """Speculative decoding with a draft model: a smaller model of the target's vocabulary draws
 the k tokens a decode brings to the target's step (engine/speculative.py verifies them).
 
-The scheduler books a drafting decode's k positions as TO_DRAW (engine/scheduler.py), and
+The scheduler books a drafting decode's k positions as TO_DRAW (engine/drafting.py), and
 before the step is built the draft model draws them: one step of the draft model gives every
 drafting sequence its first draft, then k - 1 one-token steps the rest. Each draft is drawn
 as the target will draw that position: with the target's sampling parameters and the uniform

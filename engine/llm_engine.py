@@ -74,7 +74,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.tokenizer.eos_token_ids)
         # What steps of each token bucket take (speculative decoding's cost model): the
         # runner's timings at warmup, then the steps that ran (`_read`).
-        self.scheduler.step_costs = StepCosts(getattr(self.runner, "step_seconds", None))
+        self.scheduler.drafting.step_costs = StepCosts(getattr(self.runner, "step_seconds", None))
         # A draft model's runner beside the target's (engine/draft_model.py), over its pages.
         spec = config.speculative
         if draft is None and spec is not None and spec.method == "draft_model":
@@ -106,7 +106,7 @@ class LLMEngine:
         model's (whose drafting round starts the cost model)."""
         self.runner.warmup()
         if self.draft is not None:
-            self.scheduler.step_costs.record_round(self.draft.warmup())
+            self.scheduler.drafting.step_costs.record_round(self.draft.warmup())
 
     def release(self) -> None:
         """Free the device memory of the runners now (ModelRunner.release)."""
@@ -207,7 +207,7 @@ class LLMEngine:
                 return outputs
         out = self.scheduler.schedule(speculate)
         drafting_s = self._draw_drafts(out) if self.draft is not None else 0.0
-        if self._matchers and self.scheduler.speculative is not None:
+        if self._matchers and self.config.speculative is not None:
             for entry in out.scheduled:  # a grammar's drafts: only as far as it allows them
                 if entry.drafts and entry.seq.seq_id in self._matchers:
                     allowed = allowed_drafts(self._matchers[entry.seq.seq_id], entry.drafts)
@@ -241,7 +241,7 @@ class LLMEngine:
         self.draft.draw(out, self._seeds,
                         (self.grammars, self._matchers) if self._matchers else None)
         for seconds in self.draft.round_seconds:
-            self.scheduler.step_costs.record_round(seconds)
+            self.scheduler.drafting.step_costs.record_round(seconds)
         return time.perf_counter() - start
 
     def _read(self, out: SchedulerOutput, pending, bucket: int,
@@ -259,7 +259,7 @@ class LLMEngine:
         done = time.perf_counter()
         self.wait_s += done - waited
         if self._last_done is not None:
-            self.scheduler.step_costs.record(bucket, done - self._last_done - drafting_s)
+            self.scheduler.drafting.step_costs.record(bucket, done - self._last_done - drafting_s)
         ended = {e.seq.seq_id for e in out.scheduled if e.seq.is_finished}  # while it ran
         first_rows = head_rows(out.scheduled)
         ids = result.token_ids.tolist()
@@ -280,7 +280,7 @@ class LLMEngine:
                     break
             touched.setdefault(req.request_id, []).append(index)
         outputs = [self._output(self.requests[rid], idx) for rid, idx in touched.items()]
-        if self.scheduler.speculative is not None:  # (the cost model serves drafting alone)
+        if self.config.speculative is not None:  # (the cost model serves drafting alone)
             # Idle until a request comes: the next step's time starts from its own dispatch.
             self._last_done = done if self.has_unfinished() else None
         return outputs

@@ -22,17 +22,9 @@ from collections import deque
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.sequence import TO_DRAW, Sequence, SequenceStatus
-from engine.speculative import (
-    Drafter,
-    SpecDecodeStats,
-    StepCosts,
-    accepted_length,
-    drafts_that_pay,
-    expected_tokens,
-    fit_drafts,
-    propose,
-)
+from engine.drafting import Drafting
+from engine.sequence import Sequence, SequenceStatus
+from engine.speculative import expected_tokens, fit_drafts
 
 
 class RequestRejected(ValueError):
@@ -99,10 +91,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.speculative = config.speculative  # None: no drafting
-        self._drafters: dict[int, Drafter] = {}  # seq_id -> its drafting state
-        self.spec_stats = SpecDecodeStats()
-        self.step_costs = StepCosts()  # the engine times steps into it
+        self.drafting = Drafting(config, block_manager)  # speculative decoding's share
 
     # ---- admission ---------------------------------------------------------------------
 
@@ -161,10 +150,10 @@ class Scheduler:
                 if speculate and n == 1:
                     rows = self.config.max_num_seqs - len(self.running) - num_drafts
                     tokens = self.config.max_num_batched_tokens - budget
-                    self._draft(entry, min(budget - 1, rows), tokens, gain)
+                    self.drafting.draft(entry, min(budget - 1, rows), tokens, gain)
                     num_drafts += len(entry.drafts)
                 if n == seq.num_tokens - seq.num_computed_tokens:  # a decode: it samples
-                    gain += expected_tokens(self._acceptance(seq), len(entry.drafts))
+                    gain += expected_tokens(self.drafting.acceptance(seq), len(entry.drafts))
                 scheduled.append(entry)
                 budget -= entry.num_new_tokens
                 i += 1
@@ -206,95 +195,9 @@ class Scheduler:
                 f"{self.blocks.num_usable_blocks} KV blocks free")
         return SchedulerOutput(scheduled, preempted)
 
-    # ---- speculative decoding (engine/speculative.py) ------------------------------------
-
-    def _may_draft(self, seq: Sequence) -> bool:
-        """Whether a decoding sequence drafts now: not under penalties (their counts are per
-        slot on the device), and not while it waits after drafts that gained nothing. (A
-        grammar's drafts are cut where it forbids them, and each verified row gets its mask:
-        the engine's.)"""
-        p = seq.params
-        drafter = self._drafters.get(seq.seq_id)
-        return (p.presence_penalty == 0 and p.frequency_penalty == 0
-                and p.repetition_penalty == 1 and seq.num_tokens - seq.num_computed_tokens <= 1
-                and (drafter is None or drafter.ready(seq.num_output_tokens)))
-
-    def _pays(self, seq: Sequence, tokens: int, gain: float, room: int) -> int:
-        """Drafts (0 .. room) that pay for `seq` in a step of `tokens` tokens and `gain`."""
-        drafter = self._drafters.get(seq.seq_id)
-        return drafts_that_pay(drafter is not None and drafter.probing, self._acceptance(seq),
-                               room, tokens, gain,
-                               lambda n: self.config.bucket_for(n, 1)[0], self.step_costs)
-
     def may_speculate(self) -> bool:
-        """Whether the next step may draft (the engine then reads the step in flight first, as
-        drafts continue from the last token): only while the batch is small, and some decode
-        would draft by the cost model."""
-        spec = self.speculative
-        if spec is None or not 0 < len(self.running) <= spec.seq_limit(self.config.max_num_seqs):
-            return False
-        others = len(self.running) - 1  # about what the other decodes bring
-        room = min(spec.num_speculative_tokens, self.config.max_num_batched_tokens - others - 1)
-        return any(self._may_draft(s) and self._pays(s, others, others, room) > 0
-                   for s in self.running)
-
-    def _draft(self, entry: ScheduledSeq, room: int, tokens: int, gain: float) -> None:
-        """Append up to `room` proposed tokens to a decode's chunk, as many as pay (`_pays`),
-        if its pages hold them. `tokens`, `gain`: the step's tokens and expected gain so far."""
-        seq, spec, p = entry.seq, self.speculative, entry.seq.params
-        if seq.num_pending or not self._may_draft(seq):
-            return
-        room = min(room, spec.num_speculative_tokens,
-                   self.config.max_model_len - seq.num_tokens - 1)  # the sampled token fits
-        if p.max_tokens is not None:
-            room = min(room, p.max_tokens - seq.num_output_tokens - 1)
-        if room < 1:
-            return
-        drafter = self._drafter(seq)
-        if spec.method == "draft_model":  # drawn once the step is booked (engine/draft_model.py)
-            drafts = [TO_DRAW] * room
-        else:
-            drafts = propose(seq.token_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min)
-        if not drafts:
-            drafter.record(seq.num_output_tokens, 0, 0)
-            return
-        drafts = drafts[:self._pays(seq, tokens, gain, len(drafts))]
-        if not drafts:
-            drafter.step_aside(seq.num_output_tokens)
-            return
-        seq.token_ids.extend(drafts)
-        if not self.blocks.can_append(seq):
-            seq.truncate(seq.num_tokens - len(drafts))
-            return
-        self.blocks.may_append(seq)
-        entry.drafts = drafts
-        entry.num_new_tokens += len(drafts)
-
-    def _acceptance(self, seq: Sequence) -> float:
-        """How often `seq`'s drafts are kept: its drafter's, or before it has one, what the
-        sequences before it met lately (SpecDecodeStats.recent_acceptance)."""
-        drafter = self._drafters.get(seq.seq_id)
-        return self.spec_stats.recent_acceptance if drafter is None else drafter.acceptance
-
-    def _drafter(self, seq: Sequence) -> Drafter:
-        """A sequence's drafting state, made on first use from `_acceptance`."""
-        if seq.seq_id not in self._drafters:
-            self._drafters[seq.seq_id] = Drafter(acceptance=self._acceptance(seq))
-        return self._drafters[seq.seq_id]
-
-    def _verify(self, entry: ScheduledSeq, rows: list[int]) -> list[int]:
-        """A drafting entry's result: keep the drafts up to the first that differs from the
-        token sampled before it, then that sampled token; roll the rest back (their K/V is
-        recomputed when reached again, never cached). Returns the tokens gained."""
-        seq, drafts = entry.seq, entry.drafts
-        kept = accepted_length(drafts, rows)
-        self.spec_stats.record(len(drafts), kept)
-        base = entry.start + 1  # the last token before the drafts is computed
-        self._drafter(seq).record(
-            base - seq.num_prompt_tokens, len(drafts), kept)
-        seq.truncate(base)  # the drafts and the pending token
-        seq.num_computed_tokens = base + kept
-        return [*drafts[:kept], rows[kept]]
+        """Whether the next step may draft (engine/drafting.py)."""
+        return self.drafting.may_speculate(self.running)
 
     def _waits_for_sibling(self, seq: Sequence) -> bool:
         """n > 1: the sequences of one request share their prompt. While a sibling computes
@@ -355,7 +258,7 @@ class Scheduler:
                 continue
             gained, computed = rows[:1], entry.end
             if entry.drafts:
-                gained = self._verify(entry, rows)
+                gained = self.drafting.verify(entry, rows)
                 computed = seq.num_computed_tokens
             entry.new_tokens, reason = [], None
             position = seq.num_tokens if entry.drafts else entry.end  # of the first token
@@ -397,7 +300,7 @@ class Scheduler:
             return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self._drafters.pop(seq.seq_id, None)
+        self.drafting.forget(seq)
         seq.truncate(seq.num_tokens - seq.num_pending)  # a token past the end is never shown
         if seq in self.running:
             self.running.remove(seq)

@@ -8,7 +8,8 @@ uniform of the position it samples (seed, output index; ops.sampling_metadata.ro
 so each row draws exactly the token a plain decode would draw there. The scheduler keeps the
 drafts up to the first one that differs from the token sampled before it, plus that sampled
 token (`accept`), and rolls the rest back: its K/V positions are recomputed later, its pages
-freed, and the prefix cache only ever holds computed, verified tokens (engine/scheduler.py).
+freed, and the prefix cache only ever holds computed, verified tokens (engine/drafting.py,
+engine/scheduler.py).
 
 For a draft without probabilities (one token, as prompt lookup proposes) this is rejection
 sampling: the draft d is kept with probability p(d), the target's probability after every

@@ -387,19 +387,19 @@ def test_speculative_steps_give_the_same_outputs(engine, plain, monkeypatch):
         cfg = dataclasses.replace(engine.config, speculative=spec)
         eng = LLMEngine(cfg, runner=spare if name == "ngram" else engine.runner,
                         tokenizer=engine.tokenizer, draft=draft if name == "draft" else None)
-        eng.scheduler.step_costs = EqualCosts()  # drafting as on an accelerator at batch 1
+        eng.scheduler.drafting.step_costs = EqualCosts()  # drafting as on an accelerator at batch 1
         outs = eng.generate(prompts, params)
         # the grammar alone (drafting only while a step has few sequences): its drafts
-        drafted = eng.scheduler.spec_stats.num_accepted_tokens
+        drafted = eng.scheduler.drafting.stats.num_accepted_tokens
         outs += eng.generate(prompts[-1:], params[-1:])
-        grammar_kept = eng.scheduler.spec_stats.num_accepted_tokens - drafted
+        grammar_kept = eng.scheduler.drafting.stats.num_accepted_tokens - drafted
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
         eng.block_manager.check_invariants()
         got[name] = [[(c.token_ids, c.text, c.finish_reason,
                        [lp.token_id for lp in c.logprobs or []]) for c in o.outputs]
                      for o in outs]
         logprobs[name] = [lp.logprob for o in outs for c in o.outputs for lp in c.logprobs or []]
-        stats[name] = eng.scheduler.spec_stats
+        stats[name] = eng.scheduler.drafting.stats
         if name == "ngram":  # (the draft's rounds may run them too)
             fused_steps = list(fused)
         assert name == "plain" or grammar_kept > 0, name
@@ -454,7 +454,7 @@ def test_speculation_keeps_the_sampled_distribution(method, request):
         eng = LLMEngine(cfg, runner=target.runner, tokenizer=target.tokenizer)
         if eng.draft is not None:
             eng.draft.warmup()
-        eng.scheduler.step_costs = EqualCosts()
+        eng.scheduler.drafting.step_costs = EqualCosts()
         seen: dict[int, int] = {}
         for wave in range(first_seed, first_seed + 4000, 8):  # 8 at a time: all may draft
             outs = eng.generate([prompt] * 8, [SamplingParams(  # (a third token: room to draft)
@@ -465,7 +465,7 @@ def test_speculation_keeps_the_sampled_distribution(method, request):
                 seen[token] = seen.get(token, 0) + 1
         counts.append(seen)
         if spec_or_none is not None:
-            stats = eng.scheduler.spec_stats
+            stats = eng.scheduler.drafting.stats
             assert stats.num_drafts > 1000  # (its first token, when it repeats)
             if method == "draft_model":  # drafts of another distribution: some rejected
                 assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats

@@ -261,9 +261,9 @@ def test_speculative_decoding_draws_what_the_biased_target_draws(llm):
                        ("draft", {"model": llm.config.model, "num_speculative_tokens": 3})]:
         eng = LLMEngine(dataclasses.replace(llm.config, speculative=spec), runner=llm.runner,
                         tokenizer=llm.tokenizer, draft=draft if name == "draft" else None)
-        eng.scheduler.step_costs = EqualCosts()  # drafting as on an accelerator at batch 1
+        eng.scheduler.drafting.step_costs = EqualCosts()  # drafting as on an accelerator at batch 1
         got[name] = [[c.token_ids for c in o.outputs] for o in eng.generate(prompts, params)]
-        kept[name] = eng.scheduler.spec_stats.num_accepted_tokens
+        kept[name] = eng.scheduler.drafting.stats.num_accepted_tokens
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
     assert draft.runner.compilations_after_warmup == 0
     draft.runner.release()

@@ -146,7 +146,7 @@ def _run(speculative, overlap=True, num_blocks=41, abort_at=None, draft=None, **
         dataclasses.replace(cfg, speculative=None), draft, tokenizer.eos_token_ids)
     eng = LLMEngine(cfg, runner=FakeRunner(modulus=10), tokenizer=tokenizer, detokenize=False,
                     draft=drafter)
-    eng.scheduler.step_costs = EqualCosts()
+    eng.scheduler.drafting.step_costs = EqualCosts()
     prompts = [[3, 4, 5, 9, 9, 0, 1, 3, 4], [5, 6, 7, 8, 9, 0, 1, 5, 6, 7],
                [1, 3, 4, 5, 6, 7, 1, 3], [0, 1, 2, 3, 4, 5], [8, 9, 8, 9], [6, 7, 8, 6, 7, 8, 6]]
     base = dict(temperature=0, ignore_eos=True) | params
@@ -162,7 +162,7 @@ def _run(speculative, overlap=True, num_blocks=41, abort_at=None, draft=None, **
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
     eng.block_manager.check_invariants()
     return ({k: (o.outputs[0].token_ids, o.outputs[0].finish_reason) for k, o in outs.items()},
-            eng.scheduler.spec_stats, eng.scheduler.num_preemptions, steps)
+            eng.scheduler.drafting.stats, eng.scheduler.num_preemptions, steps)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -234,7 +234,7 @@ def test_a_dead_engine_reboots_and_drafts_again(tokenizer):
 
     def factory(c):
         engines.append(LLMEngine(c, runner=FailsOnce(modulus=10), tokenizer=tokenizer))
-        engines[-1].scheduler.step_costs = EqualCosts()
+        engines[-1].scheduler.drafting.step_costs = EqualCosts()
         return engines[-1]
 
     engine = AsyncEngine(cfg, factory)
@@ -247,13 +247,13 @@ def test_a_dead_engine_reboots_and_drafts_again(tokenizer):
     try:
         with pytest.raises(EngineDeadError, match="injected fault"):
             asyncio.run(run())
-        assert engines[0].scheduler.spec_stats.num_accepted_tokens > 0  # it drafted first
+        assert engines[0].scheduler.drafting.stats.num_accepted_tokens > 0  # it drafted first
         assert wait_until(lambda: engine.alive and len(engines) == 2)
         total = None
         for out in asyncio.run(run()):
             total = accumulate(total, out)
         assert total.outputs[0].token_ids == [(5 + i) % 10 for i in range(20)]
-        assert engines[1].scheduler.spec_stats.num_accepted_tokens > 0
+        assert engines[1].scheduler.drafting.stats.num_accepted_tokens > 0
         assert engine.num_restarts == 1
     finally:
         engine.shutdown()
@@ -318,7 +318,8 @@ def test_drafts_fill_a_bucket_and_rejected_ones_give_their_pages_back():
     assert len(s.block_table) == 5                           # 20 tokens: the 6th block is free
     blocks.check_invariants([s])
     assert blocks.num_cached_blocks_of(s) == 4               # 19 computed: 4 full blocks
-    assert sched.spec_stats.num_draft_tokens == 3 and sched.spec_stats.num_accepted_tokens == 1
+    stats = sched.drafting.stats
+    assert stats.num_draft_tokens == 3 and stats.num_accepted_tokens == 1
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -376,7 +377,7 @@ def test_the_cost_model_learns_each_step_from_the_result_before_it(overlap, meth
         tokenizer.eos_token_ids)
     eng = LLMEngine(cfg, runner=TimedRunner(modulus=10), tokenizer=tokenizer, detokenize=False,
                     draft=draft)
-    costs = eng.scheduler.step_costs = Recorded()
+    costs = eng.scheduler.drafting.step_costs = Recorded()
     schedule = eng.scheduler.schedule
 
     def scheduling(*args):
@@ -393,7 +394,7 @@ def test_the_cost_model_learns_each_step_from_the_result_before_it(overlap, meth
         assert 1 in buckets and len(buckets) > 1
     else:  # a draft model always right: every step but the prompt's drafts
         assert buckets - {1}
-    assert eng.scheduler.spec_stats.num_accepted_tokens > 0
+    assert eng.scheduler.drafting.stats.num_accepted_tokens > 0
     for bucket, seconds in costs.seen:
         device = 0.002 + 0.001 * bucket
         assert (seconds == pytest.approx(device + 0.0005)
@@ -432,8 +433,8 @@ def test_a_new_sequence_drafts_from_the_acceptance_seen_lately():
                        block_size=4, num_blocks=40, speculative=NGRAM)
     sched = Scheduler(cfg, BlockManager(cfg.total_blocks, cfg.block_size),
                       eos_token_ids=frozenset({EOS}))
-    sched.step_costs = StepCosts({1: 0.094, 2: 0.110, 4: 0.148, 8: 0.151})
-    sched.step_costs.draft_round = 0.033  # (each draft costs a round, as a draft model's)
+    sched.drafting.step_costs = StepCosts({1: 0.094, 2: 0.110, 4: 0.148, 8: 0.151})
+    sched.drafting.step_costs.draft_round = 0.033  # (each draft costs a round, as a draft model's)
 
     def first_drafts() -> int:
         s = Sequence([*range(10, 25), 10], SamplingParams(max_tokens=20), 4)
@@ -446,11 +447,11 @@ def test_a_new_sequence_drafts_from_the_acceptance_seen_lately():
         sched.finish(s, "abort")
         return drafts
 
-    assert sched.spec_stats.recent_acceptance == Drafter.acceptance == 0.7
+    assert sched.drafting.stats.recent_acceptance == Drafter.acceptance == 0.7
     assert first_drafts() == 1
     for _ in range(30):
-        sched.spec_stats.record(3, 3)
-    assert sched.spec_stats.recent_acceptance > 0.95
+        sched.drafting.stats.record(3, 3)
+    assert sched.drafting.stats.recent_acceptance > 0.95
     assert first_drafts() == 3
 
 
@@ -503,12 +504,12 @@ def test_greedy_with_drafting_is_the_greedy_without(pair, kv):
                          runner=plain.runner, tokenizer=plain.tokenizer)
     if drafting.draft is not None:
         drafting.draft.warmup()  # its executables (the target's are warm)
-    drafting.scheduler.step_costs = EqualCosts()
+    drafting.scheduler.drafting.step_costs = EqualCosts()
     got = {}
     for eng in (plain, drafting):
         got[eng is drafting] = [o.outputs[0] for i in range(0, 64, at_once)
                                 for o in eng.generate(prompts[i:i + at_once], params)]
-    stats = drafting.scheduler.spec_stats
+    stats = drafting.scheduler.drafting.stats
     assert stats.num_accepted_tokens > 1000, stats
     if kv == "float32":
         assert [c.token_ids for c in got[True]] == [c.token_ids for c in got[False]]
@@ -590,7 +591,7 @@ def test_a_prompts_first_token_comes_out_before_the_drafts_after_it():
                        tokenizer.eos_token_ids)
     eng = LLMEngine(cfg, runner=FakeRunner(modulus=10), tokenizer=tokenizer, detokenize=False,
                     draft=draft)
-    eng.scheduler.step_costs = EqualCosts()
+    eng.scheduler.drafting.step_costs = EqualCosts()
     eng.add_request([3, 4, 5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=12,
                                                        ignore_eos=True))
     outputs = []
@@ -600,7 +601,7 @@ def test_a_prompts_first_token_comes_out_before_the_drafts_after_it():
     assert first.outputs[0].token_ids == [9] and draft_steps == []
     while eng.has_unfinished():
         outputs.extend(eng.step())
-    assert draft_steps and eng.scheduler.spec_stats.num_accepted_tokens > 0
+    assert draft_steps and eng.scheduler.drafting.stats.num_accepted_tokens > 0
 
 
 def test_a_draft_model_under_preemption_aborts_and_stops():

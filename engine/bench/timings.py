@@ -83,12 +83,12 @@ def summarize(engine: LLMEngine, timings, duration: float, ceilings: dict) -> di
         "num_preemptions": engine.scheduler.num_preemptions,
     }
     if engine.config.speculative is not None:
-        spec = engine.scheduler.spec_stats
+        spec = engine.scheduler.drafting.stats
         res.update(spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
                    spec_acceptance_rate=spec.acceptance_rate,
                    spec_mean_accepted_length=spec.mean_accepted_length)
         if engine.draft is not None:  # a draft model: its rounds and what one took
-            round_s = engine.scheduler.step_costs.draft_round
+            round_s = engine.scheduler.drafting.step_costs.draft_round
             res.update(spec_draft_rounds=engine.draft.num_rounds,
                        spec_draft_round_ms=None if round_s is None else 1e3 * round_s)
     if engine.grammars.mask_steps:  # host time filling grammar masks (beside the body)

@@ -1,0 +1,129 @@
+"""The scheduler's drafting half (speculative decoding; the method, the cost model and the
+acceptance rule are engine/speculative.py's): which decodes of a step draft and how many
+tokens, and what each drafting entry keeps once its step is read.
+
+One `Drafting` per scheduler. It holds each sequence's `Drafter` (its acceptance, and its
+pause after drafts that gained nothing), the engine's counters (`stats`, read by /metrics
+and the bench) and the step times the cost model reads (`step_costs`, which the engine
+times steps into).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import TO_DRAW, Sequence
+from engine.speculative import (
+    Drafter,
+    SpecDecodeStats,
+    StepCosts,
+    accepted_length,
+    drafts_that_pay,
+    propose,
+)
+
+if TYPE_CHECKING:
+    from engine.scheduler import ScheduledSeq
+
+
+class Drafting:
+    def __init__(self, config: EngineConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.speculative = config.speculative  # None: no drafting
+        self.drafters: dict[int, Drafter] = {}  # seq_id -> its drafting state
+        self.stats = SpecDecodeStats()
+        self.step_costs = StepCosts()
+
+    def may_draft(self, seq: Sequence) -> bool:
+        """Whether a decoding sequence drafts now: not under penalties (their counts are per
+        slot on the device), and not while it waits after drafts that gained nothing. (A
+        grammar's drafts are cut where it forbids them, and each verified row gets its mask:
+        the engine's.)"""
+        p = seq.params
+        drafter = self.drafters.get(seq.seq_id)
+        return (p.presence_penalty == 0 and p.frequency_penalty == 0
+                and p.repetition_penalty == 1 and seq.num_tokens - seq.num_computed_tokens <= 1
+                and (drafter is None or drafter.ready(seq.num_output_tokens)))
+
+    def pays(self, seq: Sequence, tokens: int, gain: float, room: int) -> int:
+        """Drafts (0 .. room) that pay for `seq` in a step of `tokens` tokens and `gain`."""
+        drafter = self.drafters.get(seq.seq_id)
+        return drafts_that_pay(drafter is not None and drafter.probing, self.acceptance(seq),
+                               room, tokens, gain,
+                               lambda n: self.config.bucket_for(n, 1)[0], self.step_costs)
+
+    def may_speculate(self, running: list[Sequence]) -> bool:
+        """Whether the next step of `running` may draft (the engine then reads the step in
+        flight first, as drafts continue from the last token): only while the batch is small,
+        and some decode would draft by the cost model."""
+        spec = self.speculative
+        if spec is None or not 0 < len(running) <= spec.seq_limit(self.config.max_num_seqs):
+            return False
+        others = len(running) - 1  # about what the other decodes bring
+        room = min(spec.num_speculative_tokens, self.config.max_num_batched_tokens - others - 1)
+        return any(self.may_draft(s) and self.pays(s, others, others, room) > 0
+                   for s in running)
+
+    def draft(self, entry: ScheduledSeq, room: int, tokens: int, gain: float) -> None:
+        """Append up to `room` proposed tokens to a decode's chunk, as many as pay (`pays`),
+        if its pages hold them. `tokens`, `gain`: the step's tokens and expected gain so far."""
+        seq, spec, p = entry.seq, self.speculative, entry.seq.params
+        if seq.num_pending or not self.may_draft(seq):
+            return
+        room = min(room, spec.num_speculative_tokens,
+                   self.config.max_model_len - seq.num_tokens - 1)  # the sampled token fits
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+        if room < 1:
+            return
+        drafter = self.drafter(seq)
+        if spec.method == "draft_model":  # drawn once the step is booked (engine/draft_model.py)
+            drafts = [TO_DRAW] * room
+        else:
+            drafts = propose(seq.token_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        if not drafts:
+            drafter.record(seq.num_output_tokens, 0, 0)
+            return
+        drafts = drafts[:self.pays(seq, tokens, gain, len(drafts))]
+        if not drafts:
+            drafter.step_aside(seq.num_output_tokens)
+            return
+        seq.token_ids.extend(drafts)
+        if not self.blocks.can_append(seq):
+            seq.truncate(seq.num_tokens - len(drafts))
+            return
+        self.blocks.may_append(seq)
+        entry.drafts = drafts
+        entry.num_new_tokens += len(drafts)
+
+    def acceptance(self, seq: Sequence) -> float:
+        """How often `seq`'s drafts are kept: its drafter's, or before it has one, what the
+        sequences before it met lately (SpecDecodeStats.recent_acceptance)."""
+        drafter = self.drafters.get(seq.seq_id)
+        return self.stats.recent_acceptance if drafter is None else drafter.acceptance
+
+    def drafter(self, seq: Sequence) -> Drafter:
+        """A sequence's drafting state, made on first use from `acceptance`."""
+        if seq.seq_id not in self.drafters:
+            self.drafters[seq.seq_id] = Drafter(acceptance=self.acceptance(seq))
+        return self.drafters[seq.seq_id]
+
+    def verify(self, entry: ScheduledSeq, rows: list[int]) -> list[int]:
+        """A drafting entry's result: keep the drafts up to the first that differs from the
+        token sampled before it, then that sampled token; roll the rest back (their K/V is
+        recomputed when reached again, never cached). Returns the tokens gained."""
+        seq, drafts = entry.seq, entry.drafts
+        kept = accepted_length(drafts, rows)
+        self.stats.record(len(drafts), kept)
+        base = entry.start + 1  # the last token before the drafts is computed
+        self.drafter(seq).record(base - seq.num_prompt_tokens, len(drafts), kept)
+        seq.truncate(base)  # the drafts and the pending token
+        seq.num_computed_tokens = base + kept
+        return [*drafts[:kept], rows[kept]]
+
+    def forget(self, seq: Sequence) -> None:
+        """A finished sequence's drafting state goes."""
+        self.drafters.pop(seq.seq_id, None)
