@@ -32,7 +32,6 @@ class Drafting:
     def __init__(self, config: EngineConfig, blocks: BlockManager):
         self.config = config
         self.blocks = blocks
-        self.speculative = config.speculative  # None: no drafting
         self.drafters: dict[int, Drafter] = {}  # seq_id -> its drafting state
         self.stats = SpecDecodeStats()
         self.step_costs = StepCosts()
@@ -59,7 +58,7 @@ class Drafting:
         """Whether the next step of `running` may draft (the engine then reads the step in
         flight first, as drafts continue from the last token): only while the batch is small,
         and some decode would draft by the cost model."""
-        spec = self.speculative
+        spec = self.config.speculative  # None: no drafting
         if spec is None or not 0 < len(running) <= spec.seq_limit(self.config.max_num_seqs):
             return False
         others = len(running) - 1  # about what the other decodes bring
@@ -70,7 +69,7 @@ class Drafting:
     def draft(self, entry: ScheduledSeq, room: int, tokens: int, gain: float) -> None:
         """Append up to `room` proposed tokens to a decode's chunk, as many as pay (`pays`),
         if its pages hold them. `tokens`, `gain`: the step's tokens and expected gain so far."""
-        seq, spec, p = entry.seq, self.speculative, entry.seq.params
+        seq, spec, p = entry.seq, self.config.speculative, entry.seq.params
         if seq.num_pending or not self.may_draft(seq):
             return
         room = min(room, spec.num_speculative_tokens,

@@ -49,11 +49,6 @@ KEPT = {
 EXACT = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1})
 
 
-def block_sizes(tensor_type) -> tuple[int, int]:
-    """(values, bytes) of one block of `tensor_type`."""
-    return gguf.GGML_QUANT_SIZES[tensor_type]
-
-
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
     """The float16 at byte `at` of each block, as float32 [n, 1]."""
     return np.ascontiguousarray(blocks[:, at:at + 2]).view(np.float16).astype(np.float32)
@@ -114,7 +109,7 @@ def repack(raw: np.ndarray, tensor_type, shape: tuple[int, ...]) -> dict[str, np
     float16 [..., O, I / group]} of KEPT[tensor_type], `w = q * scale (+ min)` (see the
     module docstring for how exact)."""
     fmt = KEPT[tensor_type]
-    values, size = block_sizes(tensor_type)
+    values, size = gguf.GGML_QUANT_SIZES[tensor_type]
     *lead, cols = shape
     if raw.size * values != math.prod(shape) * size:
         raise ValueError(f"{raw.size} bytes of {tensor_type.name}, expected "

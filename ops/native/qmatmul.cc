@@ -249,9 +249,11 @@ void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
     if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G, p.once);
     Halves(p.m.scale + o * G, G, sc);
     if (p.m.minimum) Halves(p.m.minimum + o * G, G, mn);
-    Floats acc0[N], acc1[N], acc2[N], acc3[N];  // chains taking groups in turn
-    for (int t = 0; t < N; ++t) acc0[t] = acc1[t] = acc2[t] = acc3[t] = Zero();
-    if (gs == 16) {  // GGUF's Q6_K groups: four per trip, one chain each
+    Floats acc0[N], acc1[N];  // two chains, alternating groups
+    for (int t = 0; t < N; ++t) acc0[t] = acc1[t] = Zero();
+    if (gs == 16) {  // GGUF's Q6_K groups: four per trip, one chain each, folded into two
+      Floats acc2[N], acc3[N];
+      for (int t = 0; t < N; ++t) acc2[t] = acc3[t] = Zero();
       int64_t g = 0;
       for (; g + 3 < G; g += 4) {
         const int8_t* b = qo + g * 16;
@@ -269,6 +271,10 @@ void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
         const Floats w0 = FromInt8(qo + g * 16);
         for (int t = 0; t < N; ++t)
           acc0[t] = Fma(Mul(w0, Load(x + t * I + g * 16)), Set(sc[g]), acc0[t]);
+      }
+      for (int t = 0; t < N; ++t) {
+        acc0[t] = Add(acc0[t], acc2[t]);
+        acc1[t] = Add(acc1[t], acc3[t]);
       }
     } else if (gs == 32) {  // GGUF's blocks and int4's default groups: two groups per trip
       int64_t g = 0;
@@ -319,7 +325,7 @@ void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
       }
     }
     for (int t = 0; t < N; ++t) {
-      float v = ReduceAdd(Add(Add(acc0[t], acc2[t]), Add(acc1[t], acc3[t])));
+      float v = ReduceAdd(Add(acc0[t], acc1[t]));
       if (p.m.minimum) {  // each group's minimum times its sum of x, 16 groups at a time
         const float* xs = p.xsum + (t0 + t) * G;
         Floats m = Zero();
