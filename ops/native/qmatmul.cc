@@ -57,15 +57,13 @@ constexpr int64_t kMinChunkRows = 32, kMaxChunkRows = 256, kMaxChunkProducts = 2
 constexpr int64_t kAhead = 4;
 
 // Ask for `bytes` from `p` on into the cache, a line at a time (reading past the end of an
-// array is harmless for a prefetch: it never faults). `once` (Problem::once): data the call
-// reads only once comes in without displacing what the caches hold.
-inline void PrefetchBytes(const void* p, int64_t bytes, bool once = false) {
+// array is harmless for a prefetch: it never faults). An ordinary prefetch, into every level:
+// a non-temporal one (NTA, for data read once) halved a lone decode's read rate on Sapphire
+// Rapids (a [28, 8960, 1536] stack at one row, 2 threads: 10.9 against 20.8 GB/s) and gained
+// at most 4% on Zen 4 (docs/performance-log.md, "A one-row product's prefetch").
+inline void PrefetchBytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  if (once) {
-    for (int64_t i = 0; i < bytes; i += 64) PrefetchOnce(c + i);
-  } else {
-    for (int64_t i = 0; i < bytes; i += 64) Prefetch(c + i);
-  }
+  for (int64_t i = 0; i < bytes; i += 64) Prefetch(c + i);
 }
 
 // One output row's float16 scales (or minimums) -> float32 in `out`. A row of 16 or more
@@ -101,10 +99,6 @@ struct Problem {
   const Prepared* prep;   // packed: x's rows as integer digits
   int64_t T, I;
   int shift;              // packed: log2 of the blocks of 32 per scale group
-  // The weights are read once: one pass of the tiles (T <= kTileRows, a lone decode or a
-  // drafting step), so they are prefetched without displacing the KV pages and the host's
-  // work between steps; with more rows a chunk's weights are read again each pass, from cache.
-  bool once;
 };
 
 // Packed output row o: its values, read ahead kAhead rows on, and its scales and minimums
@@ -112,9 +106,9 @@ struct Problem {
 inline const uint8_t* PackedRowStart(const Problem& p, int64_t o, float* sc, float* mn) {
   const int64_t G = p.m.G, row = p.I / 2;
   const uint8_t* qo = static_cast<const uint8_t*>(p.m.q) + o * row;
-  PrefetchBytes(qo + kAhead * row, row, p.once);
-  PrefetchBytes(p.m.scale + (o + kAhead) * G, 2 * G, p.once);
-  if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G, p.once);
+  PrefetchBytes(qo + kAhead * row, row);
+  PrefetchBytes(p.m.scale + (o + kAhead) * G, 2 * G);
+  if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G);
   Halves(p.m.scale + o * G, G, sc);
   if (p.m.minimum) {
     Halves(p.m.minimum + o * G, G, mn);
@@ -244,9 +238,9 @@ void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
   alignas(64) float sc[kMaxGroups], mn[kMaxGroups];
   for (int64_t o = r0; o < r1; ++o) {
     const int8_t* qo = q + o * I;
-    PrefetchBytes(qo + kAhead * I, I, p.once);
-    PrefetchBytes(p.m.scale + (o + kAhead) * G, 2 * G, p.once);
-    if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G, p.once);
+    PrefetchBytes(qo + kAhead * I, I);
+    PrefetchBytes(p.m.scale + (o + kAhead) * G, 2 * G);
+    if (p.m.minimum) PrefetchBytes(p.m.minimum + (o + kAhead) * G, 2 * G);
     Halves(p.m.scale + o * G, G, sc);
     if (p.m.minimum) Halves(p.m.minimum + o * G, G, mn);
     Floats acc0[N], acc1[N];  // two chains, alternating groups
@@ -418,7 +412,7 @@ void Compute(const float* x, int64_t T, int64_t I, const Matrix* matrices, int64
     }
     const int64_t per_group = I / G / 32;  // packed: blocks per scale group, a power of two
     work->p[m] = Problem{x, w, xsum.data(), &work->prep, T, I,
-                         w.packed ? __builtin_ctzll(per_group) : 0, T <= kTileRows};
+                         w.packed ? __builtin_ctzll(per_group) : 0};
     work->first_chunk[m + 1] = work->first_chunk[m] + (w.O + chunk_rows - 1) / chunk_rows;
     packed = packed || w.packed;
   }

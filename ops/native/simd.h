@@ -184,8 +184,6 @@ inline Ints DotNibblesSigned(Ints acc, Bytes nibbles, Bytes s) { return {Dot(acc
 inline Ints DotUnsignedNibbles(Ints acc, Bytes u, Bytes nibbles) { return {Dot(acc.v, u.v, nibbles.v)}; }
 
 inline void Prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
-// For data read once (a token's weights): fetched without displacing what the caches hold.
-inline void PrefetchOnce(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA); }
 inline void Pause() { _mm_pause(); }
 
 #elif defined(XLASERVE_AVX2)
@@ -370,8 +368,6 @@ inline Ints DotDigits(Bytes lo, Bytes hi, Bytes h0, Bytes h1, Bytes m0, Bytes m1
 #endif
 
 inline void Prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
-// For data read once (a token's weights): fetched without displacing what the caches hold.
-inline void PrefetchOnce(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA); }
 inline void Pause() { _mm_pause(); }
 
 #elif defined(XLASERVE_NEON)
@@ -577,7 +573,6 @@ inline Ints DotUnsignedNibbles(Ints acc, Bytes u, Bytes nibbles) {
 }
 
 inline void Prefetch(const void* p) { __builtin_prefetch(p); }
-inline void PrefetchOnce(const void* p) { __builtin_prefetch(p, 0, 0); }  // read once
 inline void Pause() { asm volatile("yield"); }
 
 #undef XLASERVE_EACH
@@ -718,7 +713,6 @@ inline Ints DotNibblesSigned(Ints acc, Bytes nibbles, Bytes s) { return DotUS(ac
 inline Ints DotUnsignedNibbles(Ints acc, Bytes u, Bytes nibbles) { return DotUS(acc, u, nibbles); }
 
 inline void Prefetch(const void* p) { __builtin_prefetch(p); }
-inline void PrefetchOnce(const void* p) { __builtin_prefetch(p, 0, 0); }  // read once
 inline void Pause() {}
 
 #endif
