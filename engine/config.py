@@ -17,6 +17,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 LAYER_LOOPS = ("auto", "scan", "unroll", "scan-pallas")
 # The --cpu-kernels choices: ops.native.CHOICES (held equal by a test).
 CPU_KERNELS = ("auto", "avx512", "avx2", "neon", "portable", "none")
+CPU_MATMUL_DTYPES = ("auto", "float32", "bfloat16")  # ops.quantized_linear.WIDE_DTYPES
 # The --task and --pooling choices (EngineConfig.task, .pooling; models.pooling's modes).
 TASKS = ("auto", "generate", "embed")
 POOLING_TYPES = ("auto", "mean", "cls", "last")
@@ -109,6 +110,10 @@ class EngineConfig:
     # its features is an error); "none" leaves them off in this process (XLA's matmuls and
     # the reference attention). Applied before the engine loads its model.
     cpu_kernels: str = "auto"
+    # The dtype XLA's products of more than 8 rows on a CPU (a prompt's chunks, batches of
+    # decodes) multiply in, for a float32 model: "auto" takes bfloat16 where the CPU has AMX
+    # (ops.quantized_linear.wide_dtype; several times faster prefill), else float32.
+    cpu_matmul_dtype: str = "auto"
     # "dummy": random weights of the model's shapes instead of its files (benchmarks).
     load_format: str = "auto"
     # Speculative decoding by prompt lookup (engine/speculative.py); None: off.
@@ -146,6 +151,9 @@ class EngineConfig:
         if self.cpu_kernels not in CPU_KERNELS:
             raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, "
                              f"got {self.cpu_kernels!r}")
+        if self.cpu_matmul_dtype not in CPU_MATMUL_DTYPES:
+            raise ValueError(f"cpu_matmul_dtype must be one of {', '.join(CPU_MATMUL_DTYPES)}, "
+                             f"got {self.cpu_matmul_dtype!r}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, "
                              f"got {self.layer_loop!r}")

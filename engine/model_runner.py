@@ -46,6 +46,7 @@ from models.loader import (
 from models.sharding import kv_cache_sharding, make_mesh, replicated, sharded_config
 from ops import native
 from ops.kv_cache import QUANTIZED_KV, KVCache, kv_specs, resolve_kv_dtype
+from ops.quantized_linear import wide_dtype
 from ops.sampling_metadata import NUM_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class ModelRunner(StepTable):
         self.dtype = model.dtype
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         model.batch_invariant = config.batch_invariant
+        model.wide_dtype = wide_dtype(model.dtype, config.cpu_matmul_dtype)
         set_layer_loop(model, config.layer_loop)
         self.graphdef, self.state = nnx.split(model)
         # Steps take the parameters as a flat list: a list flattens in the dispatcher's C++,

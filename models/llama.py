@@ -188,6 +188,9 @@ class Llama(nnx.Module):
         # (docs/architecture.md, "Batch-invariant rows"). Set by the engine before it splits
         # the model.
         self.batch_invariant = False
+        # The dtype XLA's products of many rows multiply in (ops.quantized_linear.wide_dtype,
+        # from --cpu-matmul-dtype); None: the model's. Set by the engine before it splits it.
+        self.wide_dtype = None
         params = {name: nnx.Param(init_param(spec, rngs.params(), dtype))
                   for name, spec in self.param_specs(cfg, quant).items()}
         self.top_names = tuple(n for n in params if not n.startswith("layers."))
@@ -341,7 +344,8 @@ class Llama(nnx.Module):
     def _matmul_options(self) -> dict:
         """How this model's matmuls run (ops.quantized_linear.linear's keyword arguments)."""
         return dict(chunked=self.mesh is None, int8_activations=self.int8_activations,
-                    native=self.native_matmuls, any_rows=self.batch_invariant)
+                    native=self.native_matmuls, any_rows=self.batch_invariant,
+                    wide_dtype=self.wide_dtype)
 
     # ---- the head ----------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ from models.llama import LAYER_LOOPS, set_layer_loop
 from models.loader import load_model, model_format
 from models.tokenizer import Tokenizer
 from ops.quantization import SCHEMES
+from ops.quantized_linear import WIDE_DTYPES, wide_dtype
 
 GAP_TOLERANCE = 1e-3
 
@@ -303,6 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
                         help="how the layers loop, as the server's --layer-loop (auto: the "
                              "Pallas product of a layer read in place on one GPU)")
+    parser.add_argument("--cpu-matmul-dtype", choices=WIDE_DTYPES,
+                        help="the dtype products of more than 8 rows (the prompt's) multiply "
+                             "in on a CPU, as the server's flag (auto: bfloat16 where the CPU "
+                             "has AMX); default: auto when measuring agreement, float32 for "
+                             "greedy parity")
     parser.add_argument("--save-reference", metavar="FILE",
                         help="write the reference's greedy token ids per prompt to FILE "
                              "(JSON) and stop, without loading our model")
@@ -347,6 +353,8 @@ def main(argv=None) -> int:
     dtype = args.dtype or "float32"
     model = load_model(args.model, dtype=dtype, quantization=args.quantization or "none")
     set_layer_loop(model, args.layer_loop)
+    model.wide_dtype = wide_dtype(model.dtype, args.cpu_matmul_dtype
+                                  or ("auto" if measured else "float32"))
     decoder = GreedyDecoder(model, max_len=longest, kv_dtype=args.kv_cache_dtype)
     if args.reference:
         references = [(tokens, None) for tokens in saved]
@@ -357,7 +365,9 @@ def main(argv=None) -> int:
         references = (reference_greedy(ref_model, p, args.max_tokens) for p in prompts)
     settings = {"dtype": dtype, "quantization": args.quantization,
                 "kv_cache_dtype": args.kv_cache_dtype, "layer_loop": args.layer_loop,
-                "pallas_products": model.stacked_kernel}
+                "pallas_products": model.stacked_kernel,
+                "wide_dtype": None if model.wide_dtype is None else jax.numpy.dtype(
+                    model.wide_dtype).name}
     return check_agreement(decoder, prompts, references, args.min_agreement, settings)
 
 

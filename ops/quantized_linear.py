@@ -39,6 +39,7 @@ w8a8`").
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +57,7 @@ NATIVE_MAX_MATRICES = 4  # the most matrices one call of it multiplies the same 
 
 def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
            int8_activations: bool = False, native: bool = False,
-           any_rows: bool = False) -> jax.Array:
+           any_rows: bool = False, wide_dtype=None) -> jax.Array:
     """x [T, I] @ w [O, I]^T -> [T, O]. `w` is a float array or a dict {"q", "scale"[, "min"]}:
     one layer's slice of a quantized parameter, or the whole stack [L, O, I] with its
     "layer" index (`stacked`). `out_dtype`: accumulate and return in it (float32 logits
@@ -64,8 +65,12 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
     CHUNK_BYTES at more than one row (off where a mesh splits the rows).
     `int8_activations`: `w` is per-channel int8 and `x` is quantized to int8 per row (w8a8).
     `native`: run xlaserve's CPU kernel where it serves (`native_fits`); `any_rows`: at any
-    number of rows (--batch-invariant), not only up to NATIVE_MAX_ROWS."""
-    dot = lambda a, b: jnp.dot(a, b.T, preferred_element_type=out_dtype)
+    number of rows (--batch-invariant), not only up to NATIVE_MAX_ROWS. `wide_dtype`: the
+    dtype XLA's products of more than NATIVE_MAX_ROWS rows multiply in (`wide_dtype`, the
+    function), summed in `out_dtype` or x's."""
+    out = out_dtype or x.dtype
+    wide = wide_dtype if wide_dtype is not None and x.shape[0] > NATIVE_MAX_ROWS else None
+    dot = functools.partial(_dot_t, out_dtype=out)
     if isinstance(w, dict) and "layer" in w and not native and x.shape[0] > 1:
         # A float or per-channel int8 stack (`stacked`): ops/pallas_gpu_matmul reads the layer
         # in place where it takes the shapes.
@@ -85,13 +90,13 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
     if x.shape[0] == 1 and reduces_one_row():
         return row_sums(x, w, out_dtype)
     if not isinstance(w, dict):
-        return dot(x, w)
+        return dot(x, w) if wide is None else dot(x.astype(wide), w.astype(wide))
     q, scale, minimum = w["q"], w["scale"], w.get("min")
     group = x.shape[-1] // scale.shape[-1]
     if q.dtype == jnp.uint8:  # packed 4 bits (the CPU kernel's rows are above)
-        return _packed_linear(x, w, out_dtype, chunked)
+        return _packed_linear(x, w, out, chunked, wide)
     if group == x.shape[-1] and minimum is None:  # per-channel: scale the output
-        y = dot(x, q.astype(x.dtype))
+        y = dot(x.astype(wide or x.dtype), q.astype(wide or x.dtype))  # int8 values: exact
         return y * scale[:, 0].astype(y.dtype)
     if x.shape[0] == 1:  # fused into the matrix-vector product (see the module docstring)
         full = lambda a: jnp.repeat(a.astype(x.dtype), group, axis=-1)
@@ -99,8 +104,39 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
         if minimum is not None:
             wf = wf + full(minimum)
         return dot(x, wf)
-    return _in_blocks(x, w, chunked, lambda x, b: dot(
-        x, dequantize(b["q"], b["scale"], b.get("min"), dtype=x.dtype)))
+    # dequantized in x's dtype, then rounded once to `wide`'s
+    return _in_blocks(x.astype(wide or x.dtype), w, chunked, lambda xw, b: dot(
+        xw, dequantize(b["q"], b["scale"], b.get("min"), dtype=x.dtype).astype(xw.dtype)))
+
+
+WIDE_DTYPES = ("auto", "float32", "bfloat16")  # --cpu-matmul-dtype
+
+
+def wide_dtype(dtype, setting: str = "auto"):
+    """The dtype XLA's products of more than NATIVE_MAX_ROWS rows (a prompt's chunk, a batch
+    of decodes) multiply in for a model computing in float32 `dtype`, summed in float32, or
+    None (the model's own dtype). `setting` "bfloat16" or "float32" says; "auto" takes
+    bfloat16 on a CPU with AMX's bfloat16 tiles (flag `amx_bf16`: Sapphire Rapids and
+    later), whose bfloat16 dot XLA runs at ~7x its float32 one (1,970 against 289 GFLOP/s at
+    512 x 1536 x 8960 on 2 vCPUs), and float32 elsewhere (no such measurement: AVX-512's
+    bfloat16 dot products are 2 lanes of a float32 FMA's work). Each input is rounded once
+    to bfloat16 (8 significant bits; a dequantized weight from its float32 value); the few
+    rows of a lone decode stay in ops/native's float32 and integer products."""
+    if setting not in WIDE_DTYPES:
+        raise ValueError(f"cpu matmul dtype must be one of {', '.join(WIDE_DTYPES)}, "
+                         f"got {setting!r}")
+    if jnp.dtype(dtype) != jnp.float32 or jax.default_backend() != "cpu":
+        return None
+    if setting == "auto":
+        setting = "bfloat16" if "amx_bf16" in native.cpu_features() else "float32"
+    return jnp.bfloat16 if setting == "bfloat16" else None
+
+
+def _dot_t(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
+    """x [T, I] @ w [O, I]^T, contracting the inputs of both in place: XLA:CPU ran a bfloat16
+    `x @ w.T` (a transpose, then a dot) at a sixth of this one's rate (229 against 1,374
+    GFLOP/s at 512 x 1536 x 8960, a 2-vCPU Sapphire Rapids)."""
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
 
 
 def reduces_one_row() -> bool:
@@ -136,14 +172,15 @@ def _in_blocks(x: jax.Array, w: dict, chunked: bool, product) -> jax.Array:
     return ys.transpose(1, 0, 2).reshape(x.shape[0], rows)
 
 
-def _packed_linear(x: jax.Array, w: dict, out_dtype, chunked: bool) -> jax.Array:
+def _packed_linear(x: jax.Array, w: dict, out_dtype, chunked: bool, wide=None) -> jax.Array:
     """XLA's product with packed 4-bit values: the low and the high nibbles each dequantize
     elementwise to [O, I / 2] and meet the inputs they hold (the first and the last 16 of
-    each block of 32), two dots summed. Interleaving the nibbles back into [O, I] first ran
-    slower at 16-64 rows (docs/performance-log.md, "A CPU kernel for quantized matmuls, and
-    4-bit weights two a byte")."""
+    each block of 32), two dots summed (in `wide`, when given, rounded from x's dtype).
+    Interleaving the nibbles back into [O, I] first ran slower at 16-64 rows
+    (docs/performance-log.md, "A CPU kernel for quantized matmuls, and 4-bit weights two a
+    byte")."""
     rows_x, cols = x.shape
-    halves = x.reshape(rows_x, cols // BLOCK, 2, BLOCK // 2)
+    halves = x.astype(wide or x.dtype).reshape(rows_x, cols // BLOCK, 2, BLOCK // 2)
     x_lo, x_hi = (halves[:, :, h].reshape(rows_x, cols // 2) for h in (0, 1))
     symmetric = "min" not in w
 
@@ -157,10 +194,11 @@ def _packed_linear(x: jax.Array, w: dict, out_dtype, chunked: bool) -> jax.Array
         y = 0
         for xh, nibbles in ((x_lo, q & 15), (x_hi, q >> 4)):
             wf = nibbles.reshape(o, cols // BLOCK, BLOCK // 2).astype(x.dtype) * scale + shift
-            y = y + jnp.dot(xh, wf.reshape(o, cols // 2).T, preferred_element_type=out_dtype)
+            wf = wf.reshape(o, cols // 2).astype(xh.dtype)
+            y = y + _dot_t(xh, wf, out_dtype)
         return y
 
-    return _in_blocks(x, w, chunked, product)
+    return _in_blocks(x.astype(wide or x.dtype), w, chunked, product)  # its dtype sizes blocks
 
 
 def stacked(w, layer) -> dict:

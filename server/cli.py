@@ -18,6 +18,7 @@ import sys
 from engine import sessions, tool_loop
 from engine.config import (
     CPU_KERNELS,
+    CPU_MATMUL_DTYPES,
     KV_CACHE_DTYPES,
     LAYER_LOOPS,
     POOLING_TYPES,
@@ -126,6 +127,11 @@ def parser() -> argparse.ArgumentParser:
                         "builds the best variant this CPU runs (XLASERVE_CPU_KERNELS sets what "
                         "auto means), a variant's name forces it, none runs XLA's matmuls and "
                         "the reference attention")
+    p.add_argument("--cpu-matmul-dtype", choices=CPU_MATMUL_DTYPES, default="auto",
+                   help="the dtype a float32 model's products of more than 8 rows (a "
+                        "prompt's chunks, batches) multiply in on a CPU, summed in float32: "
+                        "auto takes bfloat16 where the CPU has AMX (several times faster "
+                        "prompts), else float32")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's numbers do not depend on what shares its steps, so a "
                         "seeded request samples the same tokens alone or under load (CPU; "
@@ -284,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
             max_waiting_requests=args.max_waiting_requests, seed=args.seed,
             async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant,
-            cpu_kernels=args.cpu_kernels, speculative=args.speculative_config,
+            cpu_kernels=args.cpu_kernels, cpu_matmul_dtype=args.cpu_matmul_dtype,
+            speculative=args.speculative_config,
             layer_loop=args.layer_loop, load_format=args.load_format, task=args.task,
             pooling=args.pooling, normalize=args.normalize,
             embedding_share=args.embedding_share,

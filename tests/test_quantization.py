@@ -204,6 +204,54 @@ def test_quantized_matmul_matches_float(name, rows, blocks, monkeypatch):
     assert lo <= parts["q"].min() and parts["q"].max() <= hi
 
 
+@pytest.mark.parametrize("name", [*FORMATS, "int4 group 32 packed", "int4 group 32 packed with "
+                                  "minimums", "float"])
+def test_many_rows_multiply_in_the_wide_dtype(name):
+    """`wide_dtype` (--cpu-matmul-dtype): past NATIVE_MAX_ROWS rows x and the dequantized
+    weight (per channel: its int8 values, exact) are each rounded once to bfloat16 and their
+    products summed in float32; up to it, nothing changes."""
+    w = _weight(40, 128)
+    if name == "float":
+        parts, dense = jnp.asarray(w), w
+    else:
+        fmt, _ = FORMATS[name.replace(" packed", "")]
+        parts = quantize(w, fmt)
+        dense = np.asarray(dequantize(parts["q"], parts["scale"], parts.get("min"), xp=np))
+        if "packed" in name:
+            parts["q"] = quantization.pack(parts["q"], not fmt.has_min)
+    bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16), np.float64)
+    rows = quantized_linear.NATIVE_MAX_ROWS + 8
+    x = np.random.default_rng(3).standard_normal((rows, 128)).astype(np.float32)
+    wide = jax.jit(lambda x, w: linear(x, w, wide_dtype=jnp.bfloat16))
+    got = np.asarray(wide(x, parts))
+    assert got.dtype == np.float32
+    rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
+    # float32 sums of the rounded products (per channel: int8 values, exact; scales after)
+    rounded = dense.astype(np.float64) if name == "int8 per channel" else bf16(dense)
+    assert rel(got, bf16(x) @ rounded.T) < 1e-5
+    assert rel(got, x.astype(np.float64) @ dense.astype(np.float64).T) > 5e-4  # rounded
+    few = x[:quantized_linear.NATIVE_MAX_ROWS]
+    np.testing.assert_array_equal(np.asarray(wide(few, parts)),
+                                  np.asarray(jax.jit(linear)(few, parts)))
+
+
+def test_wide_dtype_takes_bfloat16_where_the_cpu_has_amx(monkeypatch):
+    from ops import native
+    for features, want in ((frozenset({"avx512f", "amx_bf16"}), jnp.bfloat16),
+                           (frozenset({"avx512f", "avx512_bf16"}), None)):
+        monkeypatch.setattr(native, "cpu_features", lambda f=features: f)
+        assert quantized_linear.wide_dtype(jnp.float32) == want
+        assert quantized_linear.wide_dtype(jnp.float32, "float32") is None
+        assert quantized_linear.wide_dtype(jnp.float32, "bfloat16") == jnp.bfloat16
+        assert quantized_linear.wide_dtype(jnp.bfloat16, "bfloat16") is None  # already narrow
+    with pytest.raises(ValueError, match="one of auto, float32, bfloat16"):
+        quantized_linear.wide_dtype(jnp.float32, "float16")
+    from engine.config import CPU_MATMUL_DTYPES, EngineConfig
+    assert CPU_MATMUL_DTYPES == quantized_linear.WIDE_DTYPES
+    with pytest.raises(ValueError, match="cpu_matmul_dtype"):
+        EngineConfig(model="m", cpu_matmul_dtype="float16")
+
+
 @pytest.mark.parametrize("fmt,storage", [
     (None, None), (QuantFormat(8, 0), jnp.int8), (QuantFormat(8, 32), jnp.int8),
     (QuantFormat(4, 32), jnp.int4), (QuantFormat(4, 32, has_min=True), jnp.uint4),
