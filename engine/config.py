@@ -17,7 +17,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 LAYER_LOOPS = ("auto", "scan", "unroll", "scan-pallas")
 # The --cpu-kernels choices: ops.native.CHOICES (held equal by a test).
 CPU_KERNELS = ("auto", "avx512", "avx2", "neon", "portable", "none")
-CPU_MATMUL_DTYPES = ("auto", "float32", "bfloat16")  # ops.quantized_linear.WIDE_DTYPES
+CPU_MATMUL_DTYPES = ("float32", "bfloat16")  # ops.quantized_linear.WIDE_DTYPES
 # The --task and --pooling choices (EngineConfig.task, .pooling; models.pooling's modes).
 TASKS = ("auto", "generate", "embed")
 POOLING_TYPES = ("auto", "mean", "cls", "last")
@@ -111,9 +111,10 @@ class EngineConfig:
     # the reference attention). Applied before the engine loads its model.
     cpu_kernels: str = "auto"
     # The dtype XLA's products of more than 8 rows on a CPU (a prompt's chunks, batches of
-    # decodes) multiply in, for a float32 model: "auto" takes bfloat16 where the CPU has AMX
-    # (ops.quantized_linear.wide_dtype; several times faster prefill), else float32.
-    cpu_matmul_dtype: str = "auto"
+    # decodes) multiply in, for a float32 model: "bfloat16" (ops.quantized_linear.wide_dtype:
+    # several times faster prompts where the CPU has AMX, but a greedy request's tokens then
+    # depend on what shares its steps) or float32.
+    cpu_matmul_dtype: str = "float32"
     # "dummy": random weights of the model's shapes instead of its files (benchmarks).
     load_format: str = "auto"
     # Speculative decoding by prompt lookup (engine/speculative.py); None: off.

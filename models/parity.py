@@ -304,11 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
                         help="how the layers loop, as the server's --layer-loop (auto: the "
                              "Pallas product of a layer read in place on one GPU)")
-    parser.add_argument("--cpu-matmul-dtype", choices=WIDE_DTYPES,
+    parser.add_argument("--cpu-matmul-dtype", choices=WIDE_DTYPES, default="float32",
                         help="the dtype products of more than 8 rows (the prompt's) multiply "
-                             "in on a CPU, as the server's flag (auto: bfloat16 where the CPU "
-                             "has AMX); default: auto when measuring agreement, float32 for "
-                             "greedy parity")
+                             "in on a CPU, as the server's flag")
     parser.add_argument("--save-reference", metavar="FILE",
                         help="write the reference's greedy token ids per prompt to FILE "
                              "(JSON) and stop, without loading our model")
@@ -353,8 +351,7 @@ def main(argv=None) -> int:
     dtype = args.dtype or "float32"
     model = load_model(args.model, dtype=dtype, quantization=args.quantization or "none")
     set_layer_loop(model, args.layer_loop)
-    model.wide_dtype = wide_dtype(model.dtype, args.cpu_matmul_dtype
-                                  or ("auto" if measured else "float32"))
+    model.wide_dtype = wide_dtype(model.dtype, args.cpu_matmul_dtype)
     decoder = GreedyDecoder(model, max_len=longest, kv_dtype=args.kv_cache_dtype)
     if args.reference:
         references = [(tokens, None) for tokens in saved]

@@ -109,27 +109,26 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
         xw, dequantize(b["q"], b["scale"], b.get("min"), dtype=x.dtype).astype(xw.dtype)))
 
 
-WIDE_DTYPES = ("auto", "float32", "bfloat16")  # --cpu-matmul-dtype
+WIDE_DTYPES = ("float32", "bfloat16")  # --cpu-matmul-dtype
 
 
-def wide_dtype(dtype, setting: str = "auto"):
+def wide_dtype(dtype, setting: str = "float32"):
     """The dtype XLA's products of more than NATIVE_MAX_ROWS rows (a prompt's chunk, a batch
-    of decodes) multiply in for a model computing in float32 `dtype`, summed in float32, or
-    None (the model's own dtype). `setting` "bfloat16" or "float32" says; "auto" takes
-    bfloat16 on a CPU with AMX's bfloat16 tiles (flag `amx_bf16`: Sapphire Rapids and
-    later), whose bfloat16 dot XLA runs at ~7x its float32 one (1,970 against 289 GFLOP/s at
-    512 x 1536 x 8960 on 2 vCPUs), and float32 elsewhere (no such measurement: AVX-512's
-    bfloat16 dot products are 2 lanes of a float32 FMA's work). Each input is rounded once
-    to bfloat16 (8 significant bits; a dequantized weight from its float32 value); the few
-    rows of a lone decode stay in ops/native's float32 and integer products."""
+    of decodes) multiply in for a model computing in float32 `dtype` on a CPU, summed in
+    float32: bfloat16 when `setting` says so, else None (the model's own dtype). Each input
+    is then rounded once to bfloat16 (8 significant bits; a dequantized weight from its
+    float32 value), which XLA:CPU multiplies on AMX's tiles where the CPU has them (flag
+    `amx_bf16`: Sapphire Rapids and later) at ~5-7x its float32 rate (1,374-1,970 against
+    229-289 GFLOP/s at 512 x 1536 x 8960 on 2 vCPUs). Not the default: a row's logits then
+    move by up to ~0.5 with the rows beside it (more than 8 or not), so a greedy request's
+    tokens would depend on what shares its steps. The few rows of a lone decode stay in
+    ops/native's float32 and integer products either way."""
     if setting not in WIDE_DTYPES:
         raise ValueError(f"cpu matmul dtype must be one of {', '.join(WIDE_DTYPES)}, "
                          f"got {setting!r}")
-    if jnp.dtype(dtype) != jnp.float32 or jax.default_backend() != "cpu":
+    if setting == "float32" or jnp.dtype(dtype) != jnp.float32 or jax.default_backend() != "cpu":
         return None
-    if setting == "auto":
-        setting = "bfloat16" if "amx_bf16" in native.cpu_features() else "float32"
-    return jnp.bfloat16 if setting == "bfloat16" else None
+    return jnp.bfloat16
 
 
 def _dot_t(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:

@@ -127,11 +127,11 @@ def parser() -> argparse.ArgumentParser:
                         "builds the best variant this CPU runs (XLASERVE_CPU_KERNELS sets what "
                         "auto means), a variant's name forces it, none runs XLA's matmuls and "
                         "the reference attention")
-    p.add_argument("--cpu-matmul-dtype", choices=CPU_MATMUL_DTYPES, default="auto",
+    p.add_argument("--cpu-matmul-dtype", choices=CPU_MATMUL_DTYPES, default="float32",
                    help="the dtype a float32 model's products of more than 8 rows (a "
                         "prompt's chunks, batches) multiply in on a CPU, summed in float32: "
-                        "auto takes bfloat16 where the CPU has AMX (several times faster "
-                        "prompts), else float32")
+                        "bfloat16 makes prompts several times faster where the CPU has AMX, "
+                        "but greedy outputs then depend on what shares a request's steps")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's numbers do not depend on what shares its steps, so a "
                         "seeded request samples the same tokens alone or under load (CPU; "

@@ -190,9 +190,8 @@ def test_every_layer_loop_gives_the_engine_the_same_tokens(tmp_path):
     seeded, batched with chunked prefill. Gemma 3, whose scan takes a period of layer kinds
     an iteration (Qwen3's one kind: test_unrolled_layers_equal_the_scan)."""
     path = save_tiny_hf(tmp_path, family="gemma3", num_key_value_heads=2)
-    # float32 products of many rows: the Pallas product is a GPU's, where they always are
     cfg = EngineConfig(model=str(path), dtype="float32", max_model_len=128, max_num_seqs=4,
-                       max_num_batched_tokens=16, block_size=8, cpu_matmul_dtype="float32")
+                       max_num_batched_tokens=16, block_size=8)
     runs = {}
     for loop in ("scan", "unroll", "scan-pallas"):
         engine = LLMEngine(dataclasses.replace(cfg, layer_loop=loop), detokenize=False)

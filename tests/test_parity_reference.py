@@ -66,13 +66,11 @@ def test_saved_reference_gives_the_live_agreement(tiny, prompts, tmp_path, capsy
     assert saved.stat().st_size < 1000  # token ids only, no logits
     capsys.readouterr()
 
-    # float32 products too (the server's default multiplies a prompt in bfloat16 on AMX)
-    f32 = ["--dtype", "float32", "--cpu-matmul-dtype", "float32"]
-    assert main([*argv, *f32, "--min-agreement", "1.0"]) == 0
+    assert main([*argv, "--dtype", "float32", "--min-agreement", "1.0"]) == 0
     live = parity_line(capsys.readouterr().out)
     with monkeypatch.context() as m:
         m.setattr(models.parity, "load_reference", refuse_to_load)
-        assert main([*argv, *f32, "--reference", str(saved),
+        assert main([*argv, "--dtype", "float32", "--reference", str(saved),
                      "--min-agreement", "1.0"]) == 0
     out = capsys.readouterr().out
     from_file = parity_line(out)

@@ -235,16 +235,12 @@ def test_many_rows_multiply_in_the_wide_dtype(name):
                                   np.asarray(jax.jit(linear)(few, parts)))
 
 
-def test_wide_dtype_takes_bfloat16_where_the_cpu_has_amx(monkeypatch):
-    from ops import native
-    for features, want in ((frozenset({"avx512f", "amx_bf16"}), jnp.bfloat16),
-                           (frozenset({"avx512f", "avx512_bf16"}), None)):
-        monkeypatch.setattr(native, "cpu_features", lambda f=features: f)
-        assert quantized_linear.wide_dtype(jnp.float32) == want
-        assert quantized_linear.wide_dtype(jnp.float32, "float32") is None
-        assert quantized_linear.wide_dtype(jnp.float32, "bfloat16") == jnp.bfloat16
-        assert quantized_linear.wide_dtype(jnp.bfloat16, "bfloat16") is None  # already narrow
-    with pytest.raises(ValueError, match="one of auto, float32, bfloat16"):
+def test_wide_dtype_is_bfloat16_only_when_asked_for_a_float32_model():
+    assert quantized_linear.wide_dtype(jnp.float32) is None  # the default: float32
+    assert quantized_linear.wide_dtype(jnp.float32, "float32") is None
+    assert quantized_linear.wide_dtype(jnp.float32, "bfloat16") == jnp.bfloat16
+    assert quantized_linear.wide_dtype(jnp.bfloat16, "bfloat16") is None  # already narrow
+    with pytest.raises(ValueError, match="one of float32, bfloat16"):
         quantized_linear.wide_dtype(jnp.float32, "float16")
     from engine.config import CPU_MATMUL_DTYPES, EngineConfig
     assert CPU_MATMUL_DTYPES == quantized_linear.WIDE_DTYPES

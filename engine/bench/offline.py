@@ -219,7 +219,7 @@ def main(argv=None) -> int:
                    help="rows computed alike in any batch (EngineConfig.batch_invariant)")
     p.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
                    help="our CPU kernels' variant, or none (EngineConfig.cpu_kernels)")
-    p.add_argument("--cpu-matmul-dtype", choices=CPU_MATMUL_DTYPES, default="auto",
+    p.add_argument("--cpu-matmul-dtype", choices=CPU_MATMUL_DTYPES, default="float32",
                    help="the dtype products of more than 8 rows multiply in on a CPU "
                         "(EngineConfig.cpu_matmul_dtype)")
     p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
