@@ -179,7 +179,8 @@ def _packed_linear(x: jax.Array, w: dict, out_dtype, chunked: bool, wide=None) -
     (docs/performance-log.md, "A CPU kernel for quantized matmuls, and 4-bit weights two a
     byte")."""
     rows_x, cols = x.shape
-    halves = x.astype(wide or x.dtype).reshape(rows_x, cols // BLOCK, 2, BLOCK // 2)
+    xw = x.astype(wide or x.dtype)
+    halves = xw.reshape(rows_x, cols // BLOCK, 2, BLOCK // 2)
     x_lo, x_hi = (halves[:, :, h].reshape(rows_x, cols // 2) for h in (0, 1))
     symmetric = "min" not in w
 
@@ -197,7 +198,7 @@ def _packed_linear(x: jax.Array, w: dict, out_dtype, chunked: bool, wide=None) -
             y = y + _dot_t(xh, wf, out_dtype)
         return y
 
-    return _in_blocks(x.astype(wide or x.dtype), w, chunked, product)  # its dtype sizes blocks
+    return _in_blocks(xw, w, chunked, product)  # its dtype sizes the blocks
 
 
 def stacked(w, layer) -> dict:
