@@ -21,7 +21,7 @@ leaves no time for are reported as skipped):
    1 and 64 rows, each layer's weights sliced as a scan does and at constant indices,
    float and int8 weights through ops/pallas_gpu_matmul too (two block shapes each), and
    whether XLA copied or converted a whole matrix.
-4. the 8B engine at batch 64 (the engine's default limits and layer loop).
+4. the 8B engine at batch 64 (the engine's default limits and layer loop), its decode traced.
 5. online: `python -m server --load-format dummy` on the 8B shape (config.json and a
    word-level tokenizer, random weights) with step 4's limits, so its executables come from
    the store step 4 filled (its ready time is a warm start); a completion, a streamed one
@@ -148,8 +148,9 @@ def main(argv=None) -> int:
 
     offline = {}
     if wanted(f"engine_{label}_b{batch}"):
-        offline = engine_bench(f"engine_{label}_b{batch}", big, dtype, batch, out,
-                               240 if smoke else 120, smoke)
+        name = f"engine_{label}_b{batch}"  # traced too: where a batch's step goes
+        offline = engine_bench(name, big, dtype, batch, out, 240 if smoke else 130, smoke,
+                               extra=profile(name))
         steps.append(offline)
         path = out / f"engine_{label}_b{batch}.json"
         if path.exists() and "result" in offline:  # the limits and pages the server takes over
