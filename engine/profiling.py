@@ -22,7 +22,8 @@ from pathlib import Path
 import jax
 from jax.profiler import ProfileData
 
-TOP = 12  # events listed by total time
+TOP = 12  # host events listed by total time
+TOP_DEVICE = 60  # device events: a step's kernels, most of them
 
 
 def profile_steps(engine, requests, concurrency: int, directory: str | Path,
@@ -72,9 +73,10 @@ def _busy_ns(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _top(times: collections.Counter, counts: collections.Counter, steps: int) -> list[dict]:
+def _top(times: collections.Counter, counts: collections.Counter, steps: int,
+         n: int = TOP) -> list[dict]:
     return [{"name": name[:120], "per_step": counts[name] / steps,
-             "ms_per_step": ns / 1e6 / steps} for name, ns in times.most_common(TOP)]
+             "ms_per_step": ns / 1e6 / steps} for name, ns in times.most_common(n)]
 
 
 def _self_times(events, times: collections.Counter, counts: collections.Counter) -> None:

@@ -131,6 +131,39 @@ def _argmax(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return ids, jnp.take_along_axis(block_max, b[:, None], axis=-1)
 
 
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """lax.top_k(x, k) over the rows of [S, V] x, the same values and ids, ties included
+    (the lower id first); NaN rows excepted. On CPU XLA's own; elsewhere `_blocked_top_k`,
+    since XLA:GPU sorts whole rows for a k above its top-k kernel's 16: at 64 rows of a
+    128,256-token vocabulary its segmented radix sorts took 2.0 of an 11 ms step on an
+    H200 (docs/performance-log.md, "The kit on an H200, traced")."""
+    return lax.platform_dependent(x, cpu=lambda x: tuple(lax.top_k(x, k)),
+                                  default=lambda x: _blocked_top_k(x, k))
+
+
+def _blocked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`top_k` from the k BLOCK-wide blocks with the largest maxima, in id order: a top_k of
+    [S, V / BLOCK] block maxima and one of [S, k * BLOCK] candidates instead of [S, V].
+
+    Exact: an element of the top k lies in a block whose maximum is at least its value, and
+    at most k - 1 blocks hold larger elements or equal ones of lower id, so its block is
+    among the k chosen (block ties go to the lower block). Kept in ascending block order, the
+    candidates' positions follow their ids, so ties break as lax.top_k breaks them."""
+    num_rows, vocab_size = x.shape
+    blocks = _blocks(x, -jnp.inf)                                              # [S, B, D]
+    if k * 2 > blocks.shape[1]:  # too few blocks for the first cut to pay
+        return tuple(lax.top_k(x, k))
+    _, chosen = lax.top_k(jnp.max(blocks, axis=-1), k)                         # [S, k]
+    # ascending block order without a sort: each block's rank among the k chosen
+    rank = jnp.sum(chosen[:, None, :] < chosen[:, :, None], axis=-1)           # [S, k]
+    rows = jnp.arange(num_rows)[:, None]
+    chosen = jnp.zeros_like(chosen).at[rows, rank].set(chosen)
+    candidates = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1)       # [S, k, D]
+    values, at = lax.top_k(candidates.reshape(num_rows, k * BLOCK), k)
+    ids = jnp.take_along_axis(chosen, at // BLOCK, axis=-1) * BLOCK + at % BLOCK
+    return values, ids.astype(jnp.int32)
+
+
 def _to_ordered(f: jax.Array) -> jax.Array:
     """f32 -> i32 whose order is the float order (an involution, see _from_ordered)."""
     i = lax.bitcast_convert_type(f, jnp.int32)
@@ -205,7 +238,7 @@ def _top_k_top_p(x: jax.Array, x_max: jax.Array, md: SamplingMetadata) -> jax.Ar
     sampled = md.temperature > 0  # greedy rows never trigger a bisection
     vocab_size = x.shape[1]
     num_candidates = min(CANDIDATES, vocab_size)
-    values, ids = lax.top_k(x, num_candidates)                                 # [S, C]
+    values, ids = top_k(x, num_candidates)                                     # [S, C]
 
     k_on = ((md.top_k > 0) & (md.top_k < vocab_size))[:, None]
     k = jnp.where(k_on[:, 0], md.top_k, 1)[:, None].astype(jnp.int32)          # [S, 1]
@@ -301,7 +334,7 @@ def probs(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
 
 def _top_logprobs(logits: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
     k = min(NUM_TOP_LOGPROBS, logits.shape[1])
-    values, ids = lax.top_k(logits, k)                                       # [S, k]
+    values, ids = top_k(logits, k)                                           # [S, k]
     pad = [(0, 0), (0, NUM_TOP_LOGPROBS - k)]
     return (jnp.pad(ids, pad, constant_values=-1),
             jnp.pad(values - lse, pad, constant_values=-jnp.inf))

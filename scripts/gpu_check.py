@@ -44,8 +44,10 @@ leaves no time for are reported as skipped):
    kernel, with the copy and matmul ceilings of the same run.
 11. the default model's shape at batch 64.
 
-Writes DIR/gpu_check.json (everything) and DIR/gpu_check.md (the tables for
-docs/performance-log.md, and each of the GPU checks with its figure and bound). Exits non-zero
+Writes DIR/gpu_check.json (everything), DIR/gpu_check.md (the tables for
+docs/performance-log.md, and each of the GPU checks with its figure and bound) and
+DIR/bundle.tgz (every step's log and JSON and the traced steps' programs, under the 16 MiB a
+file the device tool brings back: copy those three to $OUT). Exits non-zero
 when a step failed. The steps are in scripts/gpu_check_steps.py, the report and the checks in
 scripts/gpu_check_report.py.
 """
@@ -56,6 +58,7 @@ import argparse
 import json
 import os
 import sys
+import tarfile
 from pathlib import Path
 
 from gpu_check_report import checks, markdown
@@ -216,8 +219,31 @@ def main(argv=None) -> int:
     report["checks"] = checks(report)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "gpu_check.md").write_text(markdown(report))
+    bundle(out)
     print(markdown(report))
     return 0 if all(s["ok"] for s in steps) else 1
+
+
+BUNDLE_BYTES = 15 << 20  # the device tool brings back files of at most 16 MiB
+
+
+def bundle(out: Path) -> None:
+    """DIR/bundle.tgz: the steps' logs, JSON and the decode steps' programs (`*.hlo.txt`, from
+    engine.bench --profile), without the traces' raw files or the dummy model, in one file
+    small enough to come back from the device machine (the programs are left out if not)."""
+    def files(programs: bool):
+        for path in sorted(out.rglob("*")):
+            if (path.is_file() and "dummy-model" not in path.parts
+                    and (path.suffix in (".log", ".json", ".md")
+                         or (programs and path.name.endswith(".hlo.txt")))):
+                yield path
+
+    for programs in (True, False):
+        with tarfile.open(out / "bundle.tgz", "w:gz") as tar:
+            for path in files(programs):
+                tar.add(path, arcname=str(path.relative_to(out)))
+        if (out / "bundle.tgz").stat().st_size <= BUNDLE_BYTES:
+            return
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """`python -m engine.bench` smoke test on a tiny random-weight model (no timing asserted)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +51,10 @@ def test_profile_traces_decode_steps_and_reads_the_trace_back(tmp_path):
     assert (tmp_path / "trace").is_dir() and prof["trace"].endswith(".xplane.pb")
     assert prof["device_busy_ms_per_step"] is None and prof["top_host"]
     assert all(row["ms_per_step"] > 0 and row["per_step"] > 0 for row in prof["top_host"])
+    # the decode steps' optimized programs beside the trace, to read its events against
+    assert prof["programs"] and all(
+        Path(p).parent == tmp_path / "trace" and "HloModule" in Path(p).read_text()
+        for p in prof["programs"])
 
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,12 @@ def test_gpu_check_smoke_engine_and_server_steps(tmp_path):
     text = (tmp_path / "gpu_check.md").read_text()
     assert "| engine_tiny_b8 |" in text and "| online c=1 TPOT ms |" in text
     assert "engine_tiny_b1, traced:" in text
+    with tarfile.open(tmp_path / "bundle.tgz") as tar:  # what comes back from the device
+        names = tar.getnames()
+    assert {"gpu_check.json", "engine_tiny_b1.log", "engine_tiny_b8.json"} <= set(names)
+    assert any(n.startswith("engine_tiny_b8-trace/step-") and n.endswith(".hlo.txt")
+               for n in names)
+    assert not any(n.endswith(".pb") or "dummy-model" in n for n in names)
 
 
 @pytest.mark.slow

@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 from jax.scipy.stats import chi2
 
-from ops.sampling import CANDIDATES, apply_penalties, probs, sample, token_counts
+import ops.sampling
+from ops.sampling import (
+    BLOCK,
+    CANDIDATES,
+    _blocked_top_k,
+    apply_penalties,
+    probs,
+    sample,
+    token_counts,
+)
 from ops.sampling_metadata import (
     NUM_TOP_LOGPROBS,
     SamplingMetadata,
@@ -190,6 +199,42 @@ def test_probs_match_reference_on_both_cutoff_paths():
         np.testing.assert_array_equal(got[s] > 0, want > 0, err_msg=str(p))
         np.testing.assert_allclose(got[s], want, rtol=1e-4, atol=1e-7, err_msg=str(p))
     assert (got[1] > 0).sum() > CANDIDATES  # the bisection really ran
+
+
+@pytest.mark.parametrize("k", [1, 20, CANDIDATES])
+def test_blocked_top_k_is_lax_top_k_ties_included(k):
+    # What a GPU runs: the same values and ids as lax.top_k, on rows with many ties (values
+    # on a coarse grid), a row of equal values, -inf entries, a vocabulary not a multiple of
+    # BLOCK, and a row whose top values crowd into one block.
+    vocab = BLOCK * (2 * CANDIDATES + 3) + 17
+    rng = np.random.default_rng(k)
+    x = np.round(rng.normal(size=(6, vocab)) * 4).astype(np.float32)
+    x[1] = 0.0
+    x[2, rng.choice(vocab, vocab // 2, replace=False)] = -np.inf
+    x[3, 5 * BLOCK:5 * BLOCK + 2 * k] += 100
+    x[4] = -np.inf
+    x[4, -3:] = 1.0  # the best in the last, padded block
+    got = jax.jit(_blocked_top_k, static_argnums=1)(jnp.asarray(x), k)
+    want = jax.lax.top_k(jnp.asarray(x), k)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_the_sampler_is_the_same_through_the_blocked_top_k(monkeypatch):
+    # The whole step's sampler as a GPU runs it (top-k, top-p and top logprobs read off the
+    # blocked top_k) against the CPU's, on a vocabulary where the blocks pay.
+    vocab = BLOCK * 2 * CANDIDATES + 100
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(len(MIXED), vocab)) * 3,
+                         jnp.float32)
+    md = rows([metadata(1, vocab, **p) for p in MIXED])
+    md.seeds[:, 1] = 77 + np.arange(len(MIXED))
+    md.num_top_logprobs[:] = 5
+    want = jax.jit(lambda x, md: sample(x, md))(logits, md)
+    monkeypatch.setattr(ops.sampling, "top_k", _blocked_top_k)
+    got = jax.jit(lambda x, md: sample(x, md))(logits, md)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert (np.asarray(got.top_ids) >= 0).all()  # the top logprobs were read off it too
 
 
 # ---- 2-3. greedy rows, batch independence, reproducibility ----------------------------

@@ -309,12 +309,30 @@ def main(argv=None) -> int:
 
         res["profile"] = profile_steps(engine, requests, args.concurrency or args.num_prompts,
                                        args.profile)
+        res["profile"]["programs"] = write_programs(engine.runner, args.profile)
         print(describe(res["profile"]))
     _print(res, args.output)
     compiled = res["compilations_after_warmup"]
     if plain is not None:
         compiled += res["paired"]["plain_compilations_after_warmup"]
     return 0 if compiled == 0 else 1
+
+
+def write_programs(runner, directory: str) -> list[str]:
+    """Each compiled decode step's optimized program (its kernels, fusions and copies, to read
+    beside the trace's events) as DIRECTORY/step-ROWS.hlo.txt; the files written."""
+    written = []
+    for bucket, executable in sorted(runner._executables.items(), key=str):
+        if bucket[0] != "step":
+            continue
+        try:
+            text = executable.as_text()
+        except Exception:  # loaded from the store, or no text from this backend
+            continue
+        path = Path(directory) / ("-".join(map(str, bucket)) + ".hlo.txt")
+        path.write_text(text)
+        written.append(str(path))
+    return written
 
 
 if __name__ == "__main__":
