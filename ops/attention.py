@@ -109,7 +109,11 @@ def work_items(md: AttentionMetadata, num_tokens: int, block_q: int):
     items_end = jnp.cumsum(blocks).astype(jnp.int32)
     items_start = items_end - blocks
     item = jnp.arange(num_items, dtype=jnp.int32)
-    seq = jnp.searchsorted(items_end, item, side="right").astype(jnp.int32)
+    # Every item against every sequence's end at once: jnp.searchsorted's default is a loop
+    # of log2(S) steps, which XLA:GPU ran from the host inside every layer (at 64 sequences
+    # ~14 small launches a layer and a step's device ~30 % idle on an H200:
+    # docs/performance-log.md, "The kit on an H200, traced").
+    seq = jnp.searchsorted(items_end, item, side="right", method="compare_all").astype(jnp.int32)
     spare = seq >= num_seqs
     seq = jnp.minimum(seq, num_seqs - 1)
     offset = (item - items_start[seq]) * block_q  # of the item's first row within the sequence

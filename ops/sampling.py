@@ -178,13 +178,22 @@ def _largest_cutoff(x: jax.Array, mass_at_least: Callable[[jax.Array], jax.Array
                     target: jax.Array) -> jax.Array:
     """Per row, the largest value v of x with mass_at_least(v) >= target: [S, 1].
 
-    `mass_at_least(v)` ([S, 1] -> [S, 1]) must be non-increasing in v, and the row minimum
-    must reach the target. Bisection on the float's bit pattern is exact after 32 steps
-    (the ordered range spans at most 2^32) and costs 32 passes over [S, V], no sort.
+    `mass_at_least(v)` ([S, W] thresholds -> [S, W] masses) must be non-increasing in v, and
+    the row minimum must reach the target. A search on the float's bit pattern, exact: the
+    ordered range spans at most 2^32. On CPU a bisection, 32 passes over [S, V] of one
+    threshold each; elsewhere `_search_ways`, 8 passes of 15 thresholds each, since a
+    GPU's cost is its kernels, not its arithmetic (the bisection's loop was ~450 of a step's
+    ~1,170 kernels on an H200: docs/performance-log.md, "The kit on an H200, traced"). Both
+    find the same value, the one that exists.
     """
     lo = _to_ordered(jnp.min(x, axis=-1, keepdims=True))   # invariant: mass(lo) >= target
     hi = _to_ordered(jnp.max(x, axis=-1, keepdims=True)) + 1  # invariant: mass(hi) < target
+    return lax.platform_dependent(
+        lo, hi, target, cpu=lambda *a: _bisect(mass_at_least, *a),
+        default=lambda *a: _search_ways(mass_at_least, *a))
 
+
+def _bisect(mass_at_least, lo, hi, target):
     def step(_, bounds):
         lo, hi = bounds
         mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
@@ -196,15 +205,36 @@ def _largest_cutoff(x: jax.Array, mass_at_least: Callable[[jax.Array], jax.Array
     return _from_ordered(lo)
 
 
+WAYS = 16  # `_search_ways` cuts its range in 16 a pass: 8 passes cover 2^32
+
+
+def _search_ways(mass_at_least, lo, hi, target):
+    """`_bisect`'s answer in 8 unrolled passes, each testing the WAYS - 1 points that cut
+    [lo, hi) into WAYS parts (a pass's range is at most ceil(its last / WAYS))."""
+    u32 = lambda a: lax.bitcast_convert_type(a, jnp.uint32)
+    j = jnp.arange(1, WAYS, dtype=jnp.uint32)                                  # [W - 1]
+    for _ in range(8):
+        d = u32(hi) - u32(lo)  # the range's width, < 2^32, modulo 2^32
+        # floor(j * d / WAYS) without overflow, then lo + it in modular arithmetic
+        cut = j * (d // WAYS) + (j * (d % WAYS)) // WAYS                        # [S, W - 1]
+        points = lax.bitcast_convert_type(u32(lo) + cut, jnp.int32)
+        ok = mass_at_least(_from_ordered(points)) >= target                    # a prefix true
+        bounds = jnp.concatenate([lo, points, hi], axis=-1)                    # [S, W + 1]
+        n = jnp.sum(ok, axis=-1, keepdims=True)
+        lo = jnp.take_along_axis(bounds, n, axis=-1)
+        hi = jnp.take_along_axis(bounds, n + 1, axis=-1)
+    return _from_ordered(lo)
+
+
 def _bisect_top_k(x: jax.Array, k: jax.Array) -> jax.Array:
     """[S, 1]: the k-th largest value of each row of x ([S, 1] k in [1, V])."""
-    return _largest_cutoff(x, lambda v: jnp.sum(x >= v, axis=-1, keepdims=True), k)
+    return _largest_cutoff(x, lambda v: jnp.sum(x[:, None, :] >= v[:, :, None], axis=-1), k)
 
 
 def _bisect_top_p(w: jax.Array, target: jax.Array) -> jax.Array:
     """[S, 1]: the largest weight v with sum(w[w >= v]) >= target."""
-    return _largest_cutoff(
-        w, lambda v: jnp.sum(jnp.where(w >= v, w, 0.0), axis=-1, keepdims=True), target)
+    return _largest_cutoff(w, lambda v: jnp.sum(
+        jnp.where(w[:, None, :] >= v[:, :, None], w[:, None, :], 0.0), axis=-1), target)
 
 
 def _weights(x: jax.Array, x_max: jax.Array, md: SamplingMetadata,

@@ -83,6 +83,9 @@ def test_the_model_body_with_the_gpu_kernel_has_no_conditional_on_device_data(mo
     text = jax.jit(runner._body).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
     assert data_dependent_conditionals(text) == []
+    # and no loop but the layers' own: a loop inside a layer runs as launches from the host
+    # (jnp.searchsorted's default method did, in the attention's work items)
+    assert text.count("stablehlo.while") == 1
     # the LM head + sampler + per-slot bookkeeping of the same step, and its CPU control
     hidden = np.zeros((cfg.max_num_seqs, runner.model_config.hidden_size), np.float32)
     token_mask = np.zeros((4, -(-runner.model_config.vocab_size // 32)), np.int32)
@@ -93,3 +96,5 @@ def test_the_model_body_with_the_gpu_kernel_has_no_conditional_on_device_data(mo
         assert len(data_dependent_conditionals(text)) >= found
         if platform == "cuda":
             assert data_dependent_conditionals(text) == []
+        # the cutoffs' searches: unrolled passes for cuda, a bisection's loop on CPU
+        assert (text.count("stablehlo.while") == 0) == (platform == "cuda")

@@ -220,17 +220,47 @@ def test_blocked_top_k_is_lax_top_k_ties_included(k):
     np.testing.assert_array_equal(got[1], want[1])
 
 
-def test_the_sampler_is_the_same_through_the_blocked_top_k(monkeypatch):
+@pytest.mark.parametrize("ways", [False, True])
+def test_the_gpu_search_finds_the_bisections_cutoffs(ways):
+    # _search_ways (8 passes of 15 thresholds, what a GPU runs) against the bisection, on
+    # top-k counts and top-p masses, rows with ties, -inf and an all-equal row.
+    rng = np.random.default_rng(5)
+    x = np.round(rng.normal(size=(5, 3000)) * 8).astype(np.float32) / 4
+    x[1] = 0.5
+    x[2, ::3] = -np.inf
+    x = jnp.asarray(x)
+    k = jnp.asarray([[1], [7], [300], [1000], [2999]], jnp.int32)
+    w = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+    target = jnp.asarray([[0.3], [0.9], [0.99], [0.5], [1e-6]]) * jnp.sum(w, -1, keepdims=True)
+    count = lambda v: jnp.sum(x[:, None, :] >= v[:, :, None], axis=-1)
+    mass = lambda v: jnp.sum(jnp.where(w[:, None, :] >= v[:, :, None], w[:, None, :], 0.0), -1)
+    for fn, a, t in ((count, x, k), (mass, w, target)):
+        lo = ops.sampling._to_ordered(jnp.min(a, axis=-1, keepdims=True))
+        hi = ops.sampling._to_ordered(jnp.max(a, axis=-1, keepdims=True)) + 1
+        search = ops.sampling._search_ways if ways else ops.sampling._bisect
+        got = np.asarray(search(fn, lo, hi, t))
+        want = np.asarray(ops.sampling._bisect(fn, lo, hi, t))
+        np.testing.assert_array_equal(got, want)
+        # the defining property: the largest value whose mass reaches the target
+        assert (np.asarray(fn(jnp.asarray(got))) >= np.asarray(t)).all()
+        above = np.nextafter(got, np.float32(np.inf))
+        assert (np.asarray(fn(jnp.asarray(above))) < np.asarray(t)).all()
+
+
+def test_the_sampler_is_the_same_as_a_gpu_runs_it(monkeypatch):
     # The whole step's sampler as a GPU runs it (top-k, top-p and top logprobs read off the
-    # blocked top_k) against the CPU's, on a vocabulary where the blocks pay.
+    # blocked top_k; the fallback cutoffs found by _search_ways) against the CPU's, on a
+    # vocabulary where the blocks pay, with rows that take each fallback.
     vocab = BLOCK * 2 * CANDIDATES + 100
-    logits = jnp.asarray(np.random.default_rng(3).normal(size=(len(MIXED), vocab)) * 3,
+    params = MIXED + [dict(temperature=1.0, top_k=300), dict(temperature=1.0, top_p=0.99)]
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(len(params), vocab)) * 3,
                          jnp.float32)
-    md = rows([metadata(1, vocab, **p) for p in MIXED])
-    md.seeds[:, 1] = 77 + np.arange(len(MIXED))
+    md = rows([metadata(1, vocab, **p) for p in params])
+    md.seeds[:, 1] = 77 + np.arange(len(params))
     md.num_top_logprobs[:] = 5
     want = jax.jit(lambda x, md: sample(x, md))(logits, md)
     monkeypatch.setattr(ops.sampling, "top_k", _blocked_top_k)
+    monkeypatch.setattr(ops.sampling, "_bisect", ops.sampling._search_ways)
     got = jax.jit(lambda x, md: sample(x, md))(logits, md)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
