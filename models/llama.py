@@ -4,7 +4,7 @@ class of the other families (models/registry.py).
 Every parameter is described once in `param_specs` (shape, logical axes, init:
 models/parameters.py); the module, the abstract shapes used by the loaders and the
 weight-name maps all derive from that table. Layers are stacked on a leading axis and run under
-`lax.scan`, so compile time does not grow with depth; layers of different kinds
+one loop (`lax.fori_loop`), so compile time does not grow with depth; layers of different kinds
 (Gemma 3's sliding and full ones) are scanned a period of kinds at a time. The forward
 pass is one ragged batch of tokens over the paged KV cache (ops/attention.py, ops/kv_cache.py).
 XLA:GPU copies a float weight sliced at a loop index before its product and reads a constant
@@ -250,7 +250,7 @@ class Llama(nnx.Module):
                 return carry, None
 
             groups = cfg.num_layers // period
-            (x, cache), _ = jax.lax.scan(group, (x, cache), jnp.arange(groups, dtype=jnp.int32))
+            x, cache = jax.lax.fori_loop(0, groups, lambda g, c: group(c, g)[0], (x, cache))
             for idx in range(groups * period, cfg.num_layers):
                 x, cache = self.layer(x, cache, at(idx), jnp.int32(idx), kinds[idx], step)
         if logits_indices is not None:
@@ -258,15 +258,16 @@ class Llama(nnx.Module):
         return self.norm(x, top["final_norm"]), cache
 
     def over_layers(self, fn, carry):
-        """carry = fn(carry, idx) for every layer in order: under `lax.scan` with idx traced,
-        or unrolled with idx a Python int (`unroll_layers`), which `layer_params` slices at
-        a constant index."""
+        """carry = fn(carry, idx) for every layer in order: in a loop with idx its traced
+        counter (`lax.fori_loop`: a scan over a list of ids made XLA:GPU slice the id out
+        of it each layer, a launch of its own outside the layer's command buffer), or
+        unrolled with idx a Python int (`unroll_layers`), which `layer_params` slices at a
+        constant index."""
         if self.unroll_layers:
             for idx in range(self.cfg.num_layers):
                 carry = fn(carry, idx)
             return carry
-        layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        return jax.lax.scan(lambda c, idx: (fn(c, idx), None), carry, layer_ids)[0]
+        return jax.lax.fori_loop(0, self.cfg.num_layers, lambda idx, c: fn(c, idx), carry)
 
     def layer_params(self, stack: dict, idx) -> dict:
         """Layer `idx`'s parameters from the stacked ones: each sliced, except the matrices

@@ -123,7 +123,8 @@ def main(argv=None) -> int:
         return ("--profile", str(out / f"{name}-trace"))
 
     # Most wanted first (the deadline skips what is left).
-    for q, limit in (("", 100), ("int8", 110), ("int4", 60)):
+    # int4 ran out of its 60 s on an H200 (2026-12-04) inside its measured requests.
+    for q, limit in (("", 100), ("int8", 110), ("int4", 100)):
         name = f"engine_{label}_b1" + (f"_{q}" if q else "")
         # int4's first compile ran past 60 s on an H200 (2026-11-28): without XLA's autotuning
         # of its products, the suspect, so that a time at all comes back.
@@ -200,7 +201,8 @@ def main(argv=None) -> int:
             cmd += ["-k", "pallas-gpu or bad_inputs or lowers_to_triton"]
         else:
             env["JAX_PLATFORMS"] = "cuda,cpu"  # the TPU kernel's interpreter needs the CPU
-        steps.append(run_step("kernel_tests", cmd, out, 300 if smoke else 60, env))
+        # 45 cases of ~3 s of Triton compile each ran out of 60 s on an H200 (2026-12-04)
+        steps.append(run_step("kernel_tests", cmd, out, 300 if smoke else 180, env))
 
     if wanted("attention_bench"):
         cmd = [py, "-m", "engine.bench.attention", "--output", str(out / "attention_bench.json")]
