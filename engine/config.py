@@ -12,7 +12,7 @@ from engine.speculative import SpeculativeConfig
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "w8a8")
 # The --kv-cache-dtype choices: ops.kv_cache.KV_CACHE_DTYPES (held equal by a test too).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
-# The --layer-loop choices: models.llama.LAYER_LOOPS (held equal by a test; set_layer_loop
+# The --layer-loop choices: models.run_options.LAYER_LOOPS (held equal by a test; set_run_options
 # says what each does); auto is scan-pallas on one GPU, scan elsewhere.
 LAYER_LOOPS = ("auto", "scan", "unroll", "scan-pallas")
 # The --cpu-kernels choices: ops.native.CHOICES (held equal by a test).
@@ -98,7 +98,7 @@ class EngineConfig:
     # default: it runs our integer kernel where XLA's float GEMM is faster, which costs
     # throughput at many streams and time to first token (docs/serving.md has the figures).
     batch_invariant: bool = False
-    # How the model loops over its layers (LAYER_LOOPS, models.llama.set_layer_loop): scanned
+    # How the model loops over its layers (LAYER_LOOPS, models.run_options.set_run_options): scanned
     # (compile time flat in depth), unrolled (XLA:GPU reads each layer's float weights in
     # place only at a constant index, but compiles for minutes on an 8B model), or scanned
     # with float and per-channel int8 products of 2-128 rows in ops/pallas_gpu_matmul, which

@@ -35,7 +35,6 @@ from engine.config import EngineConfig
 from engine.executable_store import executable_store_dir
 from engine.grammar import mask_words
 from engine.step_table import StepTable
-from models.llama import set_layer_loop
 from models.loader import (
     describe_quant,
     load_config,
@@ -43,10 +42,10 @@ from models.loader import (
     resolve_dtype,
     weight_bytes,
 )
+from models.run_options import set_run_options
 from models.sharding import kv_cache_sharding, make_mesh, replicated, sharded_config
 from ops import native
 from ops.kv_cache import QUANTIZED_KV, KVCache, kv_specs, resolve_kv_dtype
-from ops.quantized_linear import wide_dtype
 from ops.sampling_metadata import NUM_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -129,9 +128,9 @@ class ModelRunner(StepTable):
         self.model_config = model.cfg  # with a mesh: KV heads repeated up to its size if fewer
         self.dtype = model.dtype
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
-        model.batch_invariant = config.batch_invariant
-        model.wide_dtype = wide_dtype(model.dtype, config.cpu_matmul_dtype)
-        set_layer_loop(model, config.layer_loop)
+        set_run_options(model, layer_loop=config.layer_loop,
+                        batch_invariant=config.batch_invariant,
+                        cpu_matmul_dtype=config.cpu_matmul_dtype)
         self.graphdef, self.state = nnx.split(model)
         # Steps take the parameters as a flat list: a list flattens in the dispatcher's C++,
         # an nnx.State through Python callbacks, per leaf, at every call.

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.llama import LAYER_LOOPS, Llama, set_layer_loop
+from models.llama import Llama
+from models.run_options import LAYER_LOOPS, set_run_options
 from models.sharding import kv_cache_sharding
 from ops.attention import AttentionMetadata
 from ops.kv_cache import KVCache, kv_storage_dtype
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True)
         ids = tokenizer.encode(text, add_special_tokens=False)
     model = load_model(path, dtype=args.dtype, quantization=args.quantization)
-    set_layer_loop(model, args.layer_loop)
+    set_run_options(model, layer_loop=args.layer_loop)
     decoder = GreedyDecoder(model, max_len=len(ids) + args.max_tokens)
     detok = IncrementalDetokenizer(tokenizer, prompt_ids=ids)
     cache = decoder.new_cache()

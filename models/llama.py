@@ -69,23 +69,6 @@ class _Stack(nnx.Module):
             setattr(self, name, p)
 
 
-# The engine's --layer-loop choices (engine.config.LAYER_LOOPS, held equal by a test).
-LAYER_LOOPS = ("auto", "scan", "unroll", "scan-pallas")
-
-
-def set_layer_loop(model: Llama, layer_loop: str) -> None:
-    """How `model`'s layers loop, for the engine's --layer-loop: `unroll` unrolls them (not
-    under the CPU kernel, whose quantized products take the stack and the layer index);
-    `scan-pallas`, and `auto` on a GPU, scan them and hand float and per-channel int8
-    matrices whole with the layer index to ops/pallas_gpu_matmul (one device); otherwise a
-    plain scan."""
-    if layer_loop not in LAYER_LOOPS:
-        raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, got {layer_loop!r}")
-    model.unroll_layers = layer_loop == "unroll" and not model.native_matmuls
-    model.stacked_kernel = model.mesh is None and (
-        layer_loop == "scan-pallas" or (layer_loop == "auto" and jax.default_backend() == "gpu"))
-
-
 class Llama(nnx.Module):
     # ---- what the loaders ask of a family (class methods: no instance needed) ---------
 
@@ -178,18 +161,13 @@ class Llama(nnx.Module):
         # Quantized weight-only matmuls of a few float32 rows run in xlaserve's CPU kernel
         # (ops/native) on one CPU device; elsewhere XLA's dot.
         self.native_matmuls = runs_native(dtype, quant or {}, sharded=mesh is not None)
-        # How the layers loop (`set_layer_loop`, from --layer-loop; see the module docstring):
-        # unrolled, or scanned with float and per-channel int8 matrices handed whole to
-        # ops/pallas_gpu_matmul.
+        # How it runs, as models.run_options.set_run_options sets it for whoever runs it:
+        # the layers unrolled, or looped with float and per-channel int8 matrices handed
+        # whole to ops/pallas_gpu_matmul; batch-invariant rows; the dtype of XLA's many-row
+        # products (None: the model's).
         self.unroll_layers = False
         self.stacked_kernel = False
-        # --batch-invariant: our CPU kernels at every row count, and attention that never cuts
-        # a lone decode over the threads, so a row's numbers do not depend on its batch
-        # (docs/architecture.md, "Batch-invariant rows"). Set by the engine before it splits
-        # the model.
         self.batch_invariant = False
-        # The dtype XLA's products of many rows multiply in (ops.quantized_linear.wide_dtype,
-        # from --cpu-matmul-dtype); None: the model's. Set by the engine before it splits it.
         self.wide_dtype = None
         params = {name: nnx.Param(init_param(spec, rngs.params(), dtype))
                   for name, spec in self.param_specs(cfg, quant).items()}

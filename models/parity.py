@@ -46,11 +46,11 @@ import numpy as np
 from models.chat_template import ChatTemplate
 from models.generate import GreedyDecoder
 from models.known_models import model_arg
-from models.llama import LAYER_LOOPS, set_layer_loop
 from models.loader import load_model, model_format
+from models.run_options import LAYER_LOOPS, set_run_options
 from models.tokenizer import Tokenizer
 from ops.quantization import SCHEMES
-from ops.quantized_linear import WIDE_DTYPES, wide_dtype
+from ops.quantized_linear import WIDE_DTYPES
 
 GAP_TOLERANCE = 1e-3
 
@@ -350,8 +350,7 @@ def main(argv=None) -> int:
     longest = max(len(p) for p in prompts) + args.max_tokens
     dtype = args.dtype or "float32"
     model = load_model(args.model, dtype=dtype, quantization=args.quantization or "none")
-    set_layer_loop(model, args.layer_loop)
-    model.wide_dtype = wide_dtype(model.dtype, args.cpu_matmul_dtype)
+    set_run_options(model, layer_loop=args.layer_loop, cpu_matmul_dtype=args.cpu_matmul_dtype)
     decoder = GreedyDecoder(model, max_len=longest, kv_dtype=args.kv_cache_dtype)
     if args.reference:
         references = [(tokens, None) for tokens in saved]

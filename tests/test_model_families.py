@@ -163,25 +163,25 @@ def test_stacked_products_equal_the_scan(tiny, quantization):
 
 def test_auto_layer_loop_hands_float_products_the_stack_on_one_gpu(monkeypatch):
     from engine.config import LAYER_LOOPS
-    from models import llama
-    assert EngineConfig(model="m").layer_loop == "auto" and LAYER_LOOPS == llama.LAYER_LOOPS
-    model = types.SimpleNamespace(mesh=None, native_matmuls=False)
+    from models import run_options
+    assert EngineConfig(model="m").layer_loop == "auto" and LAYER_LOOPS == run_options.LAYER_LOOPS
+    model = types.SimpleNamespace(mesh=None, native_matmuls=False, dtype=jnp.float32)
 
     def loop(layer_loop):
-        llama.set_layer_loop(model, layer_loop)
+        run_options.set_run_options(model, layer_loop=layer_loop)
         return model.unroll_layers, model.stacked_kernel
 
     assert loop("auto") == (False, False)  # this CPU: the plain scan
     assert loop("scan-pallas") == (False, True)
     assert loop("unroll") == (True, False)
-    monkeypatch.setattr(llama.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(run_options.jax, "default_backend", lambda: "gpu")
     assert loop("auto") == (False, True) and loop("scan") == (False, False)
     model.mesh = object()  # a mesh: XLA's products
     assert loop("auto") == (False, False)
     model.native_matmuls = True  # the CPU kernel takes the stack itself
     assert loop("unroll") == (False, False)
     with pytest.raises(ValueError, match="layer_loop"):
-        llama.set_layer_loop(model, "spiral")
+        run_options.set_run_options(model, layer_loop="spiral")
 
 
 def test_every_layer_loop_gives_the_engine_the_same_tokens(tmp_path):
