@@ -3,9 +3,9 @@ class of the other families (models/registry.py).
 
 Every parameter is described once in `param_specs` (shape, logical axes, init:
 models/parameters.py); the module, the abstract shapes used by the loaders and the
-weight-name maps all derive from that table. Layers are stacked on a leading axis and run under
+weight-name maps all derive from that table. Layers are stacked on a leading axis and run in
 one loop (`lax.fori_loop`), so compile time does not grow with depth; layers of different kinds
-(Gemma 3's sliding and full ones) are scanned a period of kinds at a time. The forward
+(Gemma 3's sliding and full ones) loop a period of kinds at a time. The forward
 pass is one ragged batch of tokens over the paged KV cache (ops/attention.py, ops/kv_cache.py).
 XLA:GPU copies a float weight sliced at a loop index before its product and reads a constant
 slice in place, so `--layer-loop` can unroll the layers (`unroll_layers`: slow to compile on

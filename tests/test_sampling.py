@@ -10,15 +10,16 @@ import pytest
 from jax.scipy.stats import chi2
 
 import ops.sampling
+import ops.sampling_cutoffs
 from ops.sampling import (
     BLOCK,
     CANDIDATES,
-    _blocked_top_k,
     apply_penalties,
     probs,
     sample,
     token_counts,
 )
+from ops.sampling_cutoffs import _blocked_top_k
 from ops.sampling_metadata import (
     NUM_TOP_LOGPROBS,
     SamplingMetadata,
@@ -235,11 +236,11 @@ def test_the_gpu_search_finds_the_bisections_cutoffs(ways):
     count = lambda v: jnp.sum(x[:, None, :] >= v[:, :, None], axis=-1)
     mass = lambda v: jnp.sum(jnp.where(w[:, None, :] >= v[:, :, None], w[:, None, :], 0.0), -1)
     for fn, a, t in ((count, x, k), (mass, w, target)):
-        lo = ops.sampling._to_ordered(jnp.min(a, axis=-1, keepdims=True))
-        hi = ops.sampling._to_ordered(jnp.max(a, axis=-1, keepdims=True)) + 1
-        search = ops.sampling._search_ways if ways else ops.sampling._bisect
+        lo = ops.sampling_cutoffs._to_ordered(jnp.min(a, axis=-1, keepdims=True))
+        hi = ops.sampling_cutoffs._to_ordered(jnp.max(a, axis=-1, keepdims=True)) + 1
+        search = ops.sampling_cutoffs._search_ways if ways else ops.sampling_cutoffs._bisect
         got = np.asarray(search(fn, lo, hi, t))
-        want = np.asarray(ops.sampling._bisect(fn, lo, hi, t))
+        want = np.asarray(ops.sampling_cutoffs._bisect(fn, lo, hi, t))
         np.testing.assert_array_equal(got, want)
         # the defining property: the largest value whose mass reaches the target
         assert (np.asarray(fn(jnp.asarray(got))) >= np.asarray(t)).all()
@@ -260,7 +261,7 @@ def test_the_sampler_is_the_same_as_a_gpu_runs_it(monkeypatch):
     md.num_top_logprobs[:] = 5
     want = jax.jit(lambda x, md: sample(x, md))(logits, md)
     monkeypatch.setattr(ops.sampling, "top_k", _blocked_top_k)
-    monkeypatch.setattr(ops.sampling, "_bisect", ops.sampling._search_ways)
+    monkeypatch.setattr(ops.sampling_cutoffs, "_bisect", ops.sampling_cutoffs._search_ways)
     got = jax.jit(lambda x, md: sample(x, md))(logits, md)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
