@@ -38,6 +38,7 @@ from models.parameters import (
 from models.rope import apply_rope, rope_inv_freq
 from models.smoothing import record
 from ops.attention import AttentionMetadata, ragged_paged_attention, resolve_backend
+from ops.attention import prepare as prepare_attention
 from ops.invariant import mean_square
 from ops.kv_cache import KVCache, write_kv
 from ops.quantization import QuantFormat
@@ -207,6 +208,8 @@ class Llama(nnx.Module):
         kinds = tuple(LayerKind(cfg.layer_window(i), cfg.rope_local_theta is not None
                                 and cfg.layer_window(i) is not None)
                       for i in range(cfg.num_layers))
+        md = prepare_attention(md, backend=self.attention_backend, num_tokens=tokens.shape[0],
+                               num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
         step = _Step(positions, md, {kind: rope_inv_freq(cfg, kind.local_rope)
                                      for kind in set(kinds)})
         period = _period(kinds)

@@ -36,6 +36,11 @@ class AttentionMetadata:
     page_tables: jax.Array      # [S, max_pages] int32: page ids; unused entries point at page 0
     positions: jax.Array        # [T] int32: each query row's position in its sequence
     token_seq: jax.Array        # [T] int32: each query row's sequence; -1 for padded rows
+    # `work_items(self, T, work_block_q)`, computed once a step by `prepare` where the backend
+    # cuts rows into items (a layer would otherwise compute them again: XLA:GPU kept them
+    # inside the layers' loop, a kernel a layer); None elsewhere.
+    work: tuple | None = None
+    work_block_q: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
 def row_layout(query_start_loc, kv_lens, num_tokens: int):
@@ -101,6 +106,12 @@ def work_items(md: AttentionMetadata, num_tokens: int, block_q: int):
     holding it, its row within the item and whether it is real (for gathering a padded
     [W, block_q, ...] output back to [T, ...]).
     """
+    if md.work is not None and md.work_block_q == block_q:
+        return md.work
+    return _compute_work_items(md, num_tokens, block_q)
+
+
+def _compute_work_items(md: AttentionMetadata, num_tokens: int, block_q: int):
     num_seqs = md.kv_lens.shape[0]
     num_items = num_work_items(num_tokens, num_seqs, block_q)
     starts = md.query_start_loc
@@ -126,6 +137,19 @@ def work_items(md: AttentionMetadata, num_tokens: int, block_q: int):
     row_offset = jnp.arange(num_tokens, dtype=jnp.int32) - starts[row_seq]
     row_item = jnp.clip(items_start[row_seq] + row_offset // block_q, 0, num_items - 1)
     return (seq, first_row, first_pos, num_rows), (row_item, row_offset % block_q, valid)
+
+
+def prepare(md: AttentionMetadata, *, backend: str, num_tokens: int, num_heads: int,
+            num_kv_heads: int) -> AttentionMetadata:
+    """`md` with what the backend's kernel derives from it alone computed once, for every
+    layer of a step to share (the GPU kernel's work items); `md` itself elsewhere."""
+    if resolve_backend(backend) != "pallas-gpu":
+        return md
+    from ops.pallas_gpu_attention import block_q_for
+
+    block_q = block_q_for(num_tokens, md.kv_lens.shape[0], num_heads, num_kv_heads)
+    return dataclasses.replace(md, work=work_items(md, num_tokens, block_q),
+                               work_block_q=block_q)
 
 
 def _reference(*args, **kw):

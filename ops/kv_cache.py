@@ -143,16 +143,24 @@ def _stored(x: jax.Array, dtype) -> jax.Array:
 def _write_kv(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:
     page_size = cache.page_size
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+    if slot_mapping.shape[0] == 1:
+        # One row (a lone decode): an update in place at its slot. A scatter's rows are
+        # bounds-checked (an out-of-range row is dropped), which on a GPU costs two kernels
+        # more a layer (the old value read and a select); every slot is in the pool (a
+        # padded row's is page 0's, engine/batch.py), and the update clamps the same way.
+        def put(pool, x):
+            start = (layer, pages[0], offsets[0]) + (0,) * (pool.ndim - 3)
+            return jax.lax.dynamic_update_slice(pool, x.astype(pool.dtype)[None, None], start)
+    else:
+        def put(pool, x):
+            return pool.at[layer, pages, offsets].set(x.astype(pool.dtype))
+
     if not cache.quantized:
-        return KVCache(
-            cache.k.at[layer, pages, offsets].set(_stored(k, cache.k.dtype)),
-            cache.v.at[layer, pages, offsets].set(_stored(v, cache.v.dtype)),
-        )
+        return KVCache(put(cache.k, _stored(k, cache.k.dtype)),
+                       put(cache.v, _stored(v, cache.v.dtype)))
     (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-    return KVCache(
-        cache.k.at[layer, pages, offsets].set(kq), cache.v.at[layer, pages, offsets].set(vq),
-        cache.k_scale.at[layer, pages, offsets].set(ks),
-        cache.v_scale.at[layer, pages, offsets].set(vs))
+    return KVCache(put(cache.k, kq), put(cache.v, vq), put(cache.k_scale, ks),
+                   put(cache.v_scale, vs))
 
 
 _MADV_DONTNEED = 4

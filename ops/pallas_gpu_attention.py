@@ -171,6 +171,19 @@ def _validate(q, cache: KVCache, md: AttentionMetadata):
         raise ValueError(f"head_dim must be at least {_MIN_DOT_DIM}, got {head_dim}")
 
 
+def _default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
+    """Query rows per item: decode-heavy buckets (about one row per sequence) get the
+    smallest tile."""
+    rows_per_seq = _pow2_ceil(_cdiv(num_tokens, num_seqs))
+    return min(max(rows_per_seq, _MIN_DOT_DIM // group, 1), max(_TARGET_ROWS // group, 1))
+
+
+def block_q_for(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int) -> int:
+    """The block_q the kernel picks for this step's shape, query groups padded as
+    `pallas_gpu_ragged_paged_attention` pads them (ops.attention.prepare)."""
+    return _default_block_q(num_tokens, num_seqs, _pow2_ceil(num_heads // num_kv_heads))
+
+
 def _block_sizes(q, cache: KVCache, md: AttentionMetadata, block_q, pages_per_block,
                  num_kv_splits) -> tuple[int, int, int]:
     """Fill in the tuning knobs left as None (guesses, see the module docstring) and check
@@ -180,9 +193,7 @@ def _block_sizes(q, cache: KVCache, md: AttentionMetadata, block_q, pages_per_bl
     num_seqs, max_pages = md.page_tables.shape
     group = num_heads // num_kv_heads
     if block_q is None:
-        # Decode-heavy buckets (about one row per sequence) get the smallest tile.
-        rows_per_seq = _pow2_ceil(_cdiv(num_tokens, num_seqs))
-        block_q = min(max(rows_per_seq, _MIN_DOT_DIM // group, 1), max(_TARGET_ROWS // group, 1))
+        block_q = _default_block_q(num_tokens, num_seqs, group)
     if num_kv_splits is not None and num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be at least 1, got {num_kv_splits}")
     if num_kv_splits is None:

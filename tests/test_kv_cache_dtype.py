@@ -204,3 +204,34 @@ def test_a_new_pool_holds_no_memory_until_steps_write_it(dtype):
     assert pool.k.unsafe_buffer_pointer() == start  # in place
     assert resident_mib() - before < 64
     assert np.asarray(pool.k[2, 5]).all() and not np.asarray(pool.k[2, 6]).any()
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "float32", "int8", "fp8"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_write_kv_puts_each_row_at_its_slot_and_nothing_else(kv_dtype, rows):
+    # One row is an update in place (no bounds-checked scatter: two kernels fewer a layer on
+    # a GPU), more rows a scatter; both leave every other slot and layer as they were.
+    rng = np.random.default_rng(rows)
+    layers, pages, page, heads, dim = 3, 5, 4, 2, 8
+    dtype = resolve_kv_dtype(kv_dtype, jnp.float32, "gpu")
+    cache = KVCache.zeros(layers, pages, page, heads, dim, dtype)
+    cache = dataclasses.replace(cache, **{f: getattr(cache, f) + 0.5 for f in ("k", "v")}) \
+        if not cache.quantized else cache
+    k = jnp.asarray(rng.standard_normal((rows, heads, dim)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((rows, heads, dim)), jnp.float32)
+    slots = jnp.asarray(rng.choice(pages * page, rows, replace=False), jnp.int32)
+    out = kv_cache.write_kv(cache, jnp.int32(1), k, v, slots)
+    p, o = np.asarray(slots) // page, np.asarray(slots) % page
+    stored = (kv_cache.quantize_kv(k), kv_cache.quantize_kv(v)) if cache.quantized else None
+    for name, x in (("k", k), ("v", v)):
+        want = np.array(getattr(cache, name)).copy()
+        if cache.quantized:
+            want[1, p, o] = np.asarray(stored[name == "v"][0])
+        else:
+            want[1, p, o] = np.asarray(kv_cache._stored(x, getattr(cache, name).dtype))
+        np.testing.assert_array_equal(np.asarray(getattr(out, name)), want)
+    if cache.quantized:
+        for name, (_, s) in (("k_scale", stored[0]), ("v_scale", stored[1])):
+            want = np.array(getattr(cache, name)).copy()
+            want[1, p, o] = np.asarray(s)
+            np.testing.assert_array_equal(np.asarray(getattr(out, name)), want)

@@ -98,3 +98,73 @@ def test_the_model_body_with_the_gpu_kernel_has_no_conditional_on_device_data(mo
             assert data_dependent_conditionals(text) == []
         # the cutoffs' searches: unrolled passes for cuda, a bisection's loop on CPU
         assert (text.count("stablehlo.while") == 0) == (platform == "cuda")
+
+
+def _region(mlir: str, at: int) -> str:
+    """The text from `at` (just past a region's `{`) to its closing brace."""
+    depth = 1
+    for i in range(at, len(mlir)):
+        depth += {"{": 1, "}": -1}.get(mlir[i], 0)
+        if depth == 0:
+            return mlir[at:i]
+    raise AssertionError("unclosed region")
+
+
+def _while_body(mlir: str) -> str:
+    """The (first) stablehlo.while's body region, with the functions it calls (transitively)."""
+    start = mlir.index("stablehlo.while")
+    text = _region(mlir, mlir.index("} do {", start) + len("} do {"))
+    seen: set[str] = set()
+    todo = re.findall(r"func\.call @([\w.$]+)\(", text)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        m = re.search(r"func\.func [^@]*@" + re.escape(name) + r"\(.*?\{\n", mlir)
+        callee = _region(mlir, m.end())
+        text += callee
+        todo += re.findall(r"func\.call @([\w.$]+)\(", callee)
+    return text
+
+
+def test_a_lone_decode_layer_on_gpu_writes_kv_in_place_and_shares_the_work_items(monkeypatch):
+    """What a layer of a lone decode launches on a GPU, lowered for cuda from this host: its
+    K/V written in place (a scatter's bounds check is two more kernels a layer there), and
+    the attention's work items computed once before the layers' loop, not inside it
+    (XLA:GPU kept them in the loop: a kernel a layer)."""
+    import functools
+
+    from engine.batch import empty_batch
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+    from models.presets import preset_config
+    from models.weights import random_model
+    from ops import attention
+    from ops.pallas_gpu_attention import pallas_gpu_ragged_paged_attention
+
+    monkeypatch.setitem(attention._BACKENDS, "pallas-gpu", functools.partial(
+        pallas_gpu_ragged_paged_attention, interpret=False))
+    monkeypatch.setenv("XLASERVE_COMPILE_CACHE", "off")
+    computed, shared = [], []
+    compute = attention._compute_work_items
+    monkeypatch.setattr(attention, "_compute_work_items",
+                        lambda *a: computed.append(1) or compute(*a))
+    lookup = attention.work_items
+    monkeypatch.setattr("ops.pallas_gpu_attention.work_items", lambda md, *a: shared.append(
+        md.work is not None) or lookup(md, *a))
+    cfg = EngineConfig(model="random:tiny", max_model_len=128, max_num_seqs=1,
+                       max_num_batched_tokens=16, attention_backend="pallas-gpu")
+    runner = ModelRunner(cfg, model=random_model(preset_config("tiny"), jnp.float32,
+                                                 attention_backend="pallas-gpu"))
+    abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    counts, mask, last = runner.slot_state
+    for tokens in (1, 16):  # one row in place; a chunk's rows scattered
+        computed.clear(), shared.clear()
+        args = jax.tree.map(abstract, (runner.params, runner.kv, last,
+                                       empty_batch(cfg, (tokens, 1)).body))
+        text = jax.jit(runner._body).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        body = _while_body(text)
+        assert (body.count("stablehlo.scatter") == 0) == (tokens == 1), tokens
+        assert body.count("stablehlo.dynamic_update_slice") == (2 if tokens == 1 else 0)
+        assert computed == [1] and shared == [True], tokens
