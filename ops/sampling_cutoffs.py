@@ -104,20 +104,25 @@ WAYS = 16  # `_search_ways` cuts its range in 16 a pass: 8 passes cover 2^32
 
 def _search_ways(mass_at_least, lo, hi, target):
     """`_bisect`'s answer in 8 unrolled passes, each testing the WAYS - 1 points that cut
-    [lo, hi) into WAYS parts (a pass's range is at most ceil(its last / WAYS))."""
+    [lo, hi) into WAYS parts (a pass's range is at most ceil(its last / WAYS)). The tests
+    that pass are a prefix (the points rise, the mass falls), so their number n names the
+    next range, [point n, point n + 1) with point 0 = lo and point WAYS = hi, computed as
+    the points are rather than gathered from them (a gather and a concatenation were three
+    kernels more a pass on a GPU)."""
     u32 = lambda a: lax.bitcast_convert_type(a, jnp.uint32)
+    start = u32(lo)
+    width = u32(hi) - start  # the range's width, < 2^32, modulo 2^32
+
+    def point(j):  # start + floor(j * width / WAYS), without overflow, modulo 2^32
+        return start + j * (width // WAYS) + (j * (width % WAYS)) // WAYS
+
     j = jnp.arange(1, WAYS, dtype=jnp.uint32)                                  # [W - 1]
     for _ in range(8):
-        d = u32(hi) - u32(lo)  # the range's width, < 2^32, modulo 2^32
-        # floor(j * d / WAYS) without overflow, then lo + it in modular arithmetic
-        cut = j * (d // WAYS) + (j * (d % WAYS)) // WAYS                        # [S, W - 1]
-        points = lax.bitcast_convert_type(u32(lo) + cut, jnp.int32)
+        points = lax.bitcast_convert_type(point(j), jnp.int32)                 # [S, W - 1]
         ok = mass_at_least(_from_ordered(points)) >= target                    # a prefix true
-        bounds = jnp.concatenate([lo, points, hi], axis=-1)                    # [S, W + 1]
-        n = jnp.sum(ok, axis=-1, keepdims=True)
-        lo = jnp.take_along_axis(bounds, n, axis=-1)
-        hi = jnp.take_along_axis(bounds, n + 1, axis=-1)
-    return _from_ordered(lo)
+        n = jnp.sum(ok, axis=-1, keepdims=True, dtype=jnp.uint32)              # [S, 1]
+        start, width = point(n), point(n + 1) - point(n)
+    return _from_ordered(lax.bitcast_convert_type(start, jnp.int32))
 
 
 def _bisect_top_k(x: jax.Array, k: jax.Array) -> jax.Array:

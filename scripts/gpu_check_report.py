@@ -49,6 +49,12 @@ def markdown(report: dict) -> str:
             from engine.profiling import describe  # the checkout's: on sys.path by then
 
             lines += ["", f"{s['name']}, traced:", "", "```", describe(prof), "```"]
+    spec = next((s for s in report["steps"] if s["name"] == "speculative"), None)
+    if spec and (spec.get("result") or {}).get("profile"):
+        from engine.profiling import describe
+
+        lines += ["", "The drafting engine (prompt lookup, one stream), traced:", "", "```",
+                  describe(spec["result"]["profile"]), "```"]
     net = next((s for s in report["steps"] if s["name"] == "online"), None)
     if net:
         lines += ["", f"Online (`python -m server --load-format dummy`, ready in "

@@ -63,8 +63,8 @@ def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
 
 def kernels(comps: dict, name: str, trips: int = 1, loops: list | None = None) -> int:
     """The kernels one run of computation `name` launches (fusions, custom calls, copies...),
-    a loop's body counted its known trip count of times; `loops` gets (trip count, kernels of
-    one pass) for each loop met."""
+    a loop's body counted its known trip count of times and its condition once more; `loops`
+    gets (trip count, kernels of one pass, the body's) for each loop met."""
     total = 0
     for ins in comps[name]:
         m = _INSTRUCTION.match(ins)
@@ -75,10 +75,11 @@ def kernels(comps: dict, name: str, trips: int = 1, loops: list | None = None) -
             n = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins)
             n = int(n.group(1)) if n else 1
             one = kernels(comps, body, 1, loops)
+            cond = kernels(comps, re.search(r"condition=%?([\w.\-]+)", ins).group(1))
             if loops is not None:
                 loops.append({"trip_count": n, "kernels_a_pass": one,
                               "known": "known_trip_count" in ins})
-            total += n * one
+            total += n * one + (n + 1) * cond
         else:
             total += 1
     return total * trips

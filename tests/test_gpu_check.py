@@ -148,6 +148,9 @@ def test_the_speculative_step_on_a_real_model(tmp_path, default_gguf):
     assert step["result"]["speedup"] > 0 and step["result"]["tpot_plain_ms"] > 0
     assert step["result"]["requests"] == 2 and step["result"]["spec_acceptance_rate"] > 0
     assert step["result"]["compilations_after_warmup"] == [0, 0]
+    assert step["result"]["profile"]["steps"] > 0  # the drafting engine's steps, traced
     report = {"steps": [step], "big": "llama_3_8b", "batch": 64, "smoke": True}
     assert "speculative decoding (ngram), one stream: TPOT plain / drafting" in {
         what for what, *_ in gpu_check_report.checks(report)}
+    assert "The drafting engine (prompt lookup, one stream), traced:" in (
+        gpu_check_report.markdown({**report, "environment": {}}))
