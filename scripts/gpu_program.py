@@ -19,6 +19,7 @@ sequence after its passes: which kernels share a command buffer).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -100,7 +101,8 @@ def thunk_summary(dump: Path) -> dict:
     return {"top_level": top, "nested": nested}
 
 
-def compile_step(config: str, seqs: int, layer_loop: str, target: str, out: Path) -> dict:
+def compile_step(config: str, seqs: int, layer_loop: str, target: str, out: Path,
+                 num_layers: int | None = None) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -119,7 +121,10 @@ def compile_step(config: str, seqs: int, layer_loop: str, target: str, out: Path
                        max_num_seqs=seqs, max_num_batched_tokens=max(128, seqs),
                        attention_backend="pallas-gpu", cpu_kernels="none",
                        layer_loop=layer_loop, num_blocks=128 * seqs + 8)
-    model = random_model(preset_config(config), jnp.bfloat16, attention_backend="pallas-gpu")
+    shape = preset_config(config)
+    if num_layers:  # a large model's layers and head without all of its weights in memory
+        shape = dataclasses.replace(shape, num_layers=num_layers)
+    model = random_model(shape, jnp.bfloat16, attention_backend="pallas-gpu")
     runner = ModelRunner(cfg, model=model)
     on_gpu = jax.sharding.SingleDeviceSharding(gpu)
     abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=on_gpu)  # noqa: E731
@@ -146,6 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="smollm2-135m", help="preset shape (random weights)")
     ap.add_argument("--seqs", type=int, action="append", help="decode rows (again for more)")
     ap.add_argument("--layer-loop", default="auto")
+    ap.add_argument("--num-layers", type=int, help="fewer layers than the preset's (a layer's "
+                    "kernels and the head's are the same; the step's total is not)")
     ap.add_argument("--target", help="a GpuTargetConfig in text form (default: an H200)")
     ap.add_argument("--out", required=True, help="directory for the programs and XLA's dump")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: this many rows
@@ -156,7 +163,8 @@ def main(argv=None) -> int:
         import jax
 
         jax.default_backend = lambda: "gpu"
-        res = compile_step(args.config, args.one, args.layer_loop, target, out)
+        res = compile_step(args.config, args.one, args.layer_loop, target, out,
+                           args.num_layers)
         print("RESULT " + json.dumps(res))
         return 0
     results = []
@@ -168,6 +176,8 @@ def main(argv=None) -> int:
                    XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"))
         cmd = [sys.executable, __file__, "--one", str(seqs), "--config", args.config,
                "--layer-loop", args.layer_loop, "--out", str(out)]
+        if args.num_layers:
+            cmd += ["--num-layers", str(args.num_layers)]
         if args.target:
             cmd += ["--target", args.target]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
