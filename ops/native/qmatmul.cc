@@ -43,16 +43,16 @@ using namespace simd;
 
 constexpr int64_t kMaxGroups = 1024;  // groups per output row held in a stack buffer
 constexpr int64_t kMaxMatrices = 4;   // products of the same rows in one call
-constexpr int64_t kTileRows = 4;      // rows of x a pass over the weights multiplies (`Rows`)
-// Packed 4-bit values on AVX-512: 5 rows a pass, so that a verifying step of 4 drafts (the
-// default) reads and splits each weight once, not as 4 rows and then 1 (a [28, 8960, 1536]
-// stack, 2 threads, Sapphire Rapids: 5 rows 0.97 -> 0.84 ms a layer, 7 rows 1.27 -> 1.23,
-// 8 rows 1.41 -> 1.35; 6 or 8 rows a pass ran out of registers, 8 rows 1.66). AVX2's 16
-// registers hold 4.
+// Rows of x a pass over the weights multiplies (`Rows`): 5 on AVX-512, so that a verifying
+// step of 4 drafts (the default) reads and converts each weight once, not as 4 rows and then
+// 1 (2 threads, Sapphire Rapids: packed 4-bit [28, 8960, 1536], 5 rows 0.97 -> 0.84 ms a
+// layer, 7 rows 1.27 -> 1.23, 8 rows 1.41 -> 1.35; 6 or 8 rows a pass ran out of registers,
+// 8 rows 1.66; the default model's 8-bit head [49152, 576], 5 rows 2.6-3.1 -> 2.1-2.5 ms, 6-8
+// rows no change beyond this VM's noise). AVX2's 16 registers hold 4.
 #if defined(XLASERVE_AVX512)
-constexpr int64_t kPackedTileRows = 5;
+constexpr int64_t kTileRows = 5;
 #else
-constexpr int64_t kPackedTileRows = 4;
+constexpr int64_t kTileRows = 4;
 #endif
 // Output rows per unit of work: the call's rows over kChunksPerWorker units a worker, in
 // whole multiples of 32 rows within [kMinChunkRows, kMaxChunkRows], and at most
@@ -344,24 +344,24 @@ void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
 }
 
 void Rows(const Problem& p, int64_t r0, int64_t r1) {
-  if (p.m.packed) {
-    for (int64_t t = 0; t < p.T; t += kPackedTileRows) {
-      switch (std::min(kPackedTileRows, p.T - t)) {
+  for (int64_t t = 0; t < p.T; t += kTileRows) {
+    const int64_t n = std::min(kTileRows, p.T - t);
+    if (p.m.packed) {
+      switch (n) {
         case 1: PackedTile<1>(p, t, r0, r1); break;
         case 2: PackedTile<2>(p, t, r0, r1); break;
         case 3: PackedTile<3>(p, t, r0, r1); break;
         case 4: PackedTile<4>(p, t, r0, r1); break;
-        default: PackedTile<kPackedTileRows>(p, t, r0, r1); break;
+        default: PackedTile<kTileRows>(p, t, r0, r1); break;
       }
-    }
-    return;
-  }
-  for (int64_t t = 0; t < p.T; t += kTileRows) {
-    switch (std::min(kTileRows, p.T - t)) {
-      case 1: Tile<1>(p, t, r0, r1); break;
-      case 2: Tile<2>(p, t, r0, r1); break;
-      case 3: Tile<3>(p, t, r0, r1); break;
-      default: Tile<4>(p, t, r0, r1); break;
+    } else {
+      switch (n) {
+        case 1: Tile<1>(p, t, r0, r1); break;
+        case 2: Tile<2>(p, t, r0, r1); break;
+        case 3: Tile<3>(p, t, r0, r1); break;
+        case 4: Tile<4>(p, t, r0, r1); break;
+        default: Tile<kTileRows>(p, t, r0, r1); break;
+      }
     }
   }
 }
