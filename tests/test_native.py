@@ -146,7 +146,7 @@ def test_what_the_kernel_refuses_goes_to_xla():
 @needs_kernels
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q4_0", "Q8_0", "int8 per channel"])
 def test_a_rows_product_does_not_depend_on_the_other_rows(fmt):
-    """A row's output is the same bits alone, in any tile of 1-5 rows, at any offset and
+    """A row's output is the same bits alone, in any tile of 1-4 rows, at any offset and
     beside any other rows (batch-invariant rows: a seeded request samples the same tokens
     alone or under load)."""
     packed = fmt.startswith("Q4")

@@ -23,7 +23,7 @@
 // the dot; and its dot's summation order for a row changes with the number of rows. Here
 // 8-bit values become float weights in registers and are multiplied with x in float32, and
 // 4-bit values run as exact integer dot products with x in 24-bit integers per block of 32
-// (`Prepare`, `PackedTile`: VNNI's dot products, or their exact equivalents), up to 4 or 5 rows
+// (`Prepare`, `PackedTile`: VNNI's dot products, or their exact equivalents), up to 4 rows
 // at once. For any number of rows, each output is the same operations in the same order, so
 // a row's result never depends on the other rows of its step. Neither quantizes activations
 // the way llama.cpp does (8 bits). Rows are read ahead with software prefetches (a token's
@@ -43,17 +43,7 @@ using namespace simd;
 
 constexpr int64_t kMaxGroups = 1024;  // groups per output row held in a stack buffer
 constexpr int64_t kMaxMatrices = 4;   // products of the same rows in one call
-// Rows of x a pass over the weights multiplies (`Rows`): 5 on AVX-512, so that a verifying
-// step of 4 drafts (the default) reads and converts each weight once, not as 4 rows and then
-// 1 (2 threads, Sapphire Rapids: packed 4-bit [28, 8960, 1536], 5 rows 0.97 -> 0.84 ms a
-// layer, 7 rows 1.27 -> 1.23, 8 rows 1.41 -> 1.35; 6 or 8 rows a pass ran out of registers,
-// 8 rows 1.66; the default model's 8-bit head [49152, 576], 5 rows 2.6-3.1 -> 2.1-2.5 ms, 6-8
-// rows no change beyond this VM's noise). AVX2's 16 registers hold 4.
-#if defined(XLASERVE_AVX512)
-constexpr int64_t kTileRows = 5;
-#else
-constexpr int64_t kTileRows = 4;
-#endif
+constexpr int64_t kTileRows = 4;      // rows of x a pass over the weights multiplies (`Rows`)
 // Output rows per unit of work: the call's rows over kChunksPerWorker units a worker, in
 // whole multiples of 32 rows within [kMinChunkRows, kMaxChunkRows], and at most
 // kMaxChunkProducts / T rows, so that a prompt's many rows (--batch-invariant) keep short
@@ -345,23 +335,15 @@ void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
 
 void Rows(const Problem& p, int64_t r0, int64_t r1) {
   for (int64_t t = 0; t < p.T; t += kTileRows) {
-    const int64_t n = std::min(kTileRows, p.T - t);
-    if (p.m.packed) {
-      switch (n) {
-        case 1: PackedTile<1>(p, t, r0, r1); break;
-        case 2: PackedTile<2>(p, t, r0, r1); break;
-        case 3: PackedTile<3>(p, t, r0, r1); break;
-        case 4: PackedTile<4>(p, t, r0, r1); break;
-        default: PackedTile<kTileRows>(p, t, r0, r1); break;
-      }
-    } else {
-      switch (n) {
-        case 1: Tile<1>(p, t, r0, r1); break;
-        case 2: Tile<2>(p, t, r0, r1); break;
-        case 3: Tile<3>(p, t, r0, r1); break;
-        case 4: Tile<4>(p, t, r0, r1); break;
-        default: Tile<kTileRows>(p, t, r0, r1); break;
-      }
+    switch (std::min(kTileRows, p.T - t) + (p.m.packed ? kTileRows : 0)) {
+      case 1: Tile<1>(p, t, r0, r1); break;
+      case 2: Tile<2>(p, t, r0, r1); break;
+      case 3: Tile<3>(p, t, r0, r1); break;
+      case 4: Tile<4>(p, t, r0, r1); break;
+      case 5: PackedTile<1>(p, t, r0, r1); break;
+      case 6: PackedTile<2>(p, t, r0, r1); break;
+      case 7: PackedTile<3>(p, t, r0, r1); break;
+      default: PackedTile<4>(p, t, r0, r1); break;
     }
   }
 }
