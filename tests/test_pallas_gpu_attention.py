@@ -60,8 +60,8 @@ def test_soft_cap_and_window():
     check_kernel(kernel, _mixed(group=1), soft_cap=5.0, sliding_window=8)
 
 
-# The mixed case has 4 page-table columns, so 4 splits of 2 pages leave splits with no page
-# at all, and 8 splits of 1 page more so; with a window, early splits see no key either.
+# The mixed case has 4 page-table columns: 4 or 8 splits of a sequence's few blocks leave
+# splits with no block at all; with a window, blocks before it are not walked either.
 @pytest.mark.parametrize("splits, block_q, pages_per_block, sliding_window", [
     (1, 4, 1, None), (1, 16, 4, 5), (2, 8, 1, 5), (4, 4, 2, 5), (8, 16, 1, None),
 ])
