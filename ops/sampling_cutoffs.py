@@ -107,8 +107,8 @@ def _search_ways(mass_at_least, lo, hi, target):
     [lo, hi) into WAYS parts (a pass's range is at most ceil(its last / WAYS)). The tests
     that pass are a prefix (the points rise, the mass falls), so their number n names the
     next range, [point n, point n + 1) with point 0 = lo and point WAYS = hi, computed as
-    the points are rather than gathered from them (a gather and a concatenation were three
-    kernels more a pass on a GPU)."""
+    the points are rather than gathered from them (on a GPU a gather and a concatenation
+    were about a kernel more a pass)."""
     u32 = lambda a: lax.bitcast_convert_type(a, jnp.uint32)
     start = u32(lo)
     width = u32(hi) - start  # the range's width, < 2^32, modulo 2^32
