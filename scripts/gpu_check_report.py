@@ -43,18 +43,14 @@ def markdown(report: dict) -> str:
                          f"{f('read_bytes_per_s', 1e-9, '{:.0f}')} | "
                          f"{f('copy_bytes_per_s', 1e-9, '{:.0f}')} | {copies} | "
                          f"{f('ready_s')} | {f('warmup_s')} |")
-    for s in benches:  # engine.bench --profile: where a decode step's time goes
-        prof = s["result"].get("profile")
+    titles = {"speculative": "The drafting engine (prompt lookup, one stream)"}
+    for s in report["steps"]:  # engine.bench --profile: where a decode step's time goes
+        prof = (s.get("result") or {}).get("profile")
         if prof:
             from engine.profiling import describe  # the checkout's: on sys.path by then
 
-            lines += ["", f"{s['name']}, traced:", "", "```", describe(prof), "```"]
-    spec = next((s for s in report["steps"] if s["name"] == "speculative"), None)
-    if spec and (spec.get("result") or {}).get("profile"):
-        from engine.profiling import describe
-
-        lines += ["", "The drafting engine (prompt lookup, one stream), traced:", "", "```",
-                  describe(spec["result"]["profile"]), "```"]
+            lines += ["", f"{titles.get(s['name'], s['name'])}, traced:", "", "```",
+                      describe(prof), "```"]
     net = next((s for s in report["steps"] if s["name"] == "online"), None)
     if net:
         lines += ["", f"Online (`python -m server --load-format dummy`, ready in "

@@ -64,8 +64,8 @@ def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
 
 def kernels(comps: dict, name: str, trips: int = 1, loops: list | None = None) -> int:
     """The kernels one run of computation `name` launches (fusions, custom calls, copies...),
-    a loop's body counted its known trip count of times and its condition once more; `loops`
-    gets (trip count, kernels of one pass, the body's) for each loop met."""
+    a loop's body counted its known trip count of times and its condition once more than
+    that; `loops` gets (trip count, kernels of one pass of the body) for each loop met."""
     total = 0
     for ins in comps[name]:
         m = _INSTRUCTION.match(ins)
