@@ -74,7 +74,7 @@ def whole_matrices(stack: dict, *, native: bool, kernel: bool,
     """The stacked matrices whose products take the whole stack and the layer index
     (ops.quantized_linear.stacked) instead of a slice: every quantized one under the CPU
     kernel (`native`); under ops/pallas_gpu_matmul (`kernel`) the float ones and the
-    weight-only per-channel int8 ones (the rest are sliced)."""
+    weight-only quantized ones (per-channel int8 and the group formats; w8a8's are sliced)."""
     quantized = {n for n in stack if n + "_scale" in stack}
     if native:
         return quantized
@@ -82,8 +82,10 @@ def whole_matrices(stack: dict, *, native: bool, kernel: bool,
         return set()
     parts = {n + suffix for n in quantized for suffix in ("_scale", "_min")}
     floats = {n for n, a in stack.items() if a.ndim == 3 and n not in quantized | parts}
-    return floats | {n for n in quantized if not int8_activations and n + "_min" not in stack
-                     and stack[n].dtype == jnp.int8 and stack[n + "_scale"].shape[-1] == 1}
+    if int8_activations:
+        return floats
+    return floats | {n for n in quantized if stack[n + "_scale"].shape[-1] > 1  # groups
+                     or (n + "_min" not in stack and stack[n].dtype == jnp.int8)}
 
 
 def weight(params: dict, name: str):

@@ -24,7 +24,7 @@ from models.parameters import QUANTIZABLE
 from models.progress import progress_bar
 from models.registry import model_class, param_specs
 from ops.quantization import VOCAB_MATRICES, QuantFormat, dequantize, pack, quantize, scheme_format
-from ops.quantized_linear import packed_formats, runs_native
+from ops.quantized_linear import holds_packed, packed_formats
 from ops.vocab_blocks import RARE, frequent_rows, rows_of, split_rows
 
 
@@ -251,7 +251,7 @@ def random_model(cfg: ModelConfig, dtype, *, seed: int = 0, attention_backend: s
 
     run_cfg = cfg if mesh is None else sharded_config(cfg, mesh.shape[TENSOR_AXIS])
     plan = quant_plan(run_cfg, quantization)
-    packs = runs_native(dtype, plan, sharded=mesh is not None)
+    packs = holds_packed(dtype, plan, sharded=mesh is not None)
     quant = packed_formats(plan) if packs else plan
 
     def init():

@@ -1,21 +1,30 @@
 """A GPU matmul that reads one layer's weight out of the layer stack in place (Pallas,
 lowered to Triton): `stacked_matmul(x, stack, layer)` = x @ stack[layer]^T, for float
-weights and per-channel int8 ones (`scale`, converted in the read and applied to the sums).
+weights, per-channel int8 ones (`scale`, converted in the read and applied to the sums), and
+the group formats of ops/quantization.py (`scale` [L, O, G] and optionally `minimum`): int8
+values or 4-bit ones packed two a byte (uint8 [L, O, I / 2], `pack`'s layout), dequantized
+in registers as they are read.
 
 Why: the model scans its layers over stacked weights [L, O, I], and XLA:GPU copies each
 layer's [O, I] slice out of the stack before its cuBLAS product, three passes over the
 bytes where one would do (docs/performance-log.md, "Weights read in place on an H100", has
 the times). At one row a multiply and a sum also reads in place
 (ops/quantized_linear.row_sums); from a few rows up a dot is needed, and this kernel takes
-the whole stack and the layer index, so nothing is copied.
+the whole stack and the layer index, so nothing is copied. XLA's own int4 products read
+0.02-0.13 of the copy rate on an H200 at 1 and 64 rows ("The first in-place-weights run on
+a GPU"), so group formats come here at one row too.
 
 Each program multiplies the rows by one block of `block_n` output channels over
 1/`splits` of the inputs, `block_k` at a time: from 2 rows as a dot (rows padded to at
 least 16, Triton's smallest), one row as a multiply and a sum over each block. With
 several splits the partial sums (float32) are added after the kernel; they give a matrix
 of few output channels (Llama-3-8B's k and v projections: 1,024) enough programs to fill
-the GPU. Block sizes are first guesses, measured by `python -m engine.bench.quantization
---formats float-pallas,int8-pallas` (and `@BNxBKxSPLITSxWARPSxSTAGES` variants).
+the GPU. A group format's block is whole groups, [block_n, groups, group values] (the
+stack seen as [L, O, G, I / G], a view): one row sums each group's products and scales the
+group's sum (and adds a minimum times the group's sum of x); more rows
+dequantize the block in x's dtype for the dot. Block sizes are first guesses, measured by
+`python -m engine.bench.quantization --formats float-pallas,int8-pallas,int4-pallas` (and
+`@BNxBKxSPLITSxWARPSxSTAGES` variants).
 """
 
 from __future__ import annotations
@@ -30,38 +39,82 @@ from jax.experimental.pallas import triton as pl_triton
 MIN_ROWS = 16  # Triton's smallest dot
 MAX_ROWS = 128  # beyond this a copy of the layer costs little beside the product
 TARGET_PROGRAMS = 256  # about two per multiprocessor of an H100 or H200 (132)
+# A group format's block at one row: about this many values a part (4-bit values are two
+# parts, the low and the high nibbles), so that each thread's share stays in registers.
+GROUP_BLOCK_VALUES = 8192
 
 
 def _pick(n: int, sizes: tuple[int, ...]) -> int | None:
     return next((s for s in sizes if n % s == 0), None)
 
 
-def block_sizes(out_f: int, in_f: int, rows: int = 2) -> tuple[int, int, int] | None:
-    """(block_n, block_k, splits) for an [out_f, in_f] weight at `rows` rows, or None when
-    no block of at least 16 divides it. One row reads longer blocks of inputs (the faster
-    block at one row in docs/performance-log.md, "Weights read in place on an H100")."""
-    block_n = _pick(out_f, (64, 32, 16))
-    block_k = _pick(in_f, (256, 128, 64, 32, 16) if rows == 1 else (128, 64, 32, 16))
-    if block_n is None or block_k is None:
-        return None
-    steps, splits = in_f // block_k, 1
-    while (out_f // block_n * splits < TARGET_PROGRAMS and steps % (2 * splits) == 0
+def _splits(programs: int, steps: int) -> int:
+    """Splits of `steps` blocks of inputs so that about TARGET_PROGRAMS programs run, each
+    with at least 4 steps."""
+    splits = 1
+    while (programs * splits < TARGET_PROGRAMS and steps % (2 * splits) == 0
            and steps // (2 * splits) >= 4):
         splits *= 2
-    return block_n, block_k, splits
+    return splits
 
 
-def fits(x: jax.Array, stack: jax.Array, scale: jax.Array | None = None) -> bool:
+def block_sizes(out_f: int, in_f: int, rows: int = 2, group: int = 0,
+                packed: bool = False) -> tuple[int, int, int] | None:
+    """(block_n, block_k, splits) for an [out_f, in_f] weight at `rows` rows, or None when
+    no block of at least 16 divides it. One row reads longer blocks of inputs (the faster
+    block at one row in docs/performance-log.md, "Weights read in place on an H100"). A
+    group format (`group` inputs a scale, 4-bit values `packed`) takes whole groups a block,
+    a power of two of them that divides the row's groups."""
+    block_n = _pick(out_f, (64, 32, 16))
+    if block_n is None:
+        return None
+    if group:
+        width = group // 2 if packed else group  # values of a group a part
+        groups = in_f // group
+        most = max(1, GROUP_BLOCK_VALUES // (block_n * width)) if rows == 1 else max(
+            1, 128 // width)
+        per_block = _pick(groups, tuple(1 << i for i in range(most.bit_length() - 1, -1, -1)))
+        block_k = per_block * group
+    else:
+        block_k = _pick(in_f, (256, 128, 64, 32, 16) if rows == 1 else (128, 64, 32, 16))
+        if block_k is None:
+            return None
+    return block_n, block_k, _splits(out_f // block_n, in_f // block_k)
+
+
+def group_of(stack: jax.Array, scale: jax.Array | None, in_f: int) -> int:
+    """Inputs a scale covers in a group format (0: a float stack or per-channel scales)."""
+    if scale is None or scale.shape[-1] == 1:
+        return 0
+    return in_f // scale.shape[-1]
+
+
+def fits(x: jax.Array, stack: jax.Array, scale: jax.Array | None = None,
+         minimum: jax.Array | None = None) -> bool:
     """Whether `stacked_matmul` takes these: 2-D rows (at most MAX_ROWS), an [L, O, I] stack
-    of x's input size, float or int8 with per-channel scales [L, O, 1], and block sizes
-    that divide it."""
-    if not (x.ndim == 2 and 0 < x.shape[0] <= MAX_ROWS and stack.ndim == 3
-            and stack.shape[2] == x.shape[1]
-            and block_sizes(stack.shape[1], stack.shape[2], x.shape[0]) is not None):
+    of x's input size (I / 2 packed), block sizes that divide it, and a float stack, int8
+    with per-channel scales [L, O, 1], or a group format: int8 values, or 4-bit ones packed
+    in uint8, with scales (and minimums) [L, O, G] for groups of a power of two inputs (at
+    least 16; 32 packed)."""
+    if not (x.ndim == 2 and 0 < x.shape[0] <= MAX_ROWS and stack.ndim == 3):
+        return False
+    rows, in_f = x.shape
+    packed = stack.dtype == jnp.uint8
+    if stack.shape[2] * (2 if packed else 1) != in_f:
         return False
     if scale is None:
-        return jnp.issubdtype(stack.dtype, jnp.floating)
-    return stack.dtype == jnp.int8 and scale.shape == (*stack.shape[:2], 1)
+        return (minimum is None and jnp.issubdtype(stack.dtype, jnp.floating)
+                and block_sizes(stack.shape[1], in_f, rows) is not None)
+    if stack.dtype not in (jnp.int8, jnp.uint8) or scale.shape[:2] != stack.shape[:2]:
+        return False
+    if minimum is not None and minimum.shape != scale.shape:
+        return False
+    group = group_of(stack, scale, in_f)
+    if not group:  # per channel: int8, no minimums
+        return (not packed and minimum is None
+                and block_sizes(stack.shape[1], in_f, rows) is not None)
+    return (in_f % group == 0 and group & (group - 1) == 0 and group >= (32 if packed else 16)
+            and block_sizes(stack.shape[1], in_f, rows, group, packed) is not None)
 
 
 def _kernel(layer_ref, x_ref, w_ref, *rest, block_n, block_k, steps, one_row):
@@ -87,47 +140,126 @@ def _kernel(layer_ref, x_ref, w_ref, *rest, block_n, block_k, steps, one_row):
     o_ref[...] = acc.reshape(o_ref.shape).astype(o_ref.dtype)
 
 
+def _group_kernel(layer_ref, x_ref, w_ref, s_ref, *rest, block_n, groups, steps, one_row,
+                  packed, has_min):
+    """A group format's block. x_ref: the rows as [R, I / 32, 32] when `packed` (each block
+    of 32 inputs: its first 16 meet the low nibbles, the rest the high ones), else [R, G,
+    group]; w_ref the values [L, O, G, W]; s_ref the scales [L, O, G]; then the minimums
+    (`has_min`) and the output. Both views of x and w are bitcasts: nothing is prepared
+    outside the kernel."""
+    m_ref, o_ref = (rest[0], rest[1]) if has_min else (None, rest[0])
+    n, split = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    channels = pl.ds(n * block_n, block_n)
+    rows = x_ref.shape[0]
+    width = w_ref.shape[3]  # values of a group a part
+    per_group = 2 * width // 32 if packed else 1  # blocks of 32 inputs a group (packed)
+
+    def body(i, acc):
+        g0 = pl.multiple_of((split * steps + i) * groups, groups)
+        g = pl.ds(g0, groups)
+        wb = w_ref[layer, channels, g, :]                            # [bn, ng, W]
+        sc = s_ref[layer, channels, g].astype(jnp.float32)           # [bn, ng]
+        if has_min:
+            mn = m_ref[layer, channels, g].astype(jnp.float32)
+        elif packed:  # symmetric values are stored plus 8
+            mn = -8.0 * sc
+        else:
+            mn = None
+        if packed:
+            blocks = pl.ds(pl.multiple_of(g0 * per_group, per_group), groups * per_group)
+            xs = [x_ref[:, blocks, pl.ds(16 * h, 16)].reshape(rows, groups, width)
+                  for h in (0, 1)]                                   # [R, ng, W] each
+            values = (wb & 15, wb >> 4)
+        else:
+            xs, values = [x_ref[:, g, :]], (wb,)
+        if one_row:  # each group's products summed, then its scale (and minimum) once
+            xf = [xr[0].astype(jnp.float32) for xr in xs]            # [ng, W]
+            sums = sum(jnp.sum(v.astype(jnp.float32) * xr[None], axis=2)
+                       for v, xr in zip(values, xf, strict=True))
+            part = sc * sums
+            if mn is not None:
+                part = part + mn * sum(jnp.sum(xr, axis=1) for xr in xf)[None, :]
+            return acc + jnp.sum(part, axis=1)
+        for v, xr in zip(values, xs, strict=True):
+            w = v.astype(jnp.float32) * sc[:, :, None]
+            if mn is not None:
+                w = w + mn[:, :, None]
+            w = w.astype(xr.dtype).reshape(block_n, groups * width)
+            acc = acc + pl_triton.dot(xr.reshape(rows, groups * width), w, trans_b=True,
+                                      precision=jax.lax.Precision.HIGHEST)
+        return acc
+
+    shape = (block_n,) if one_row else (rows, block_n)
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(shape, jnp.float32))
+    o_ref[...] = acc.reshape(o_ref.shape).astype(o_ref.dtype)
+
+
 def stacked_matmul(x: jax.Array, stack: jax.Array, layer, out_dtype=None, *,
-                   scale: jax.Array | None = None, interpret: bool | None = None,
-                   block_n: int | None = None, block_k: int | None = None,
-                   splits: int | None = None, num_warps: int = 4,
-                   num_stages: int = 4) -> jax.Array:
+                   scale: jax.Array | None = None, minimum: jax.Array | None = None,
+                   interpret: bool | None = None, block_n: int | None = None,
+                   block_k: int | None = None, splits: int | None = None,
+                   num_warps: int = 4, num_stages: int = 4) -> jax.Array:
     """x [T, I] @ stack[layer]^T -> [T, O] in `out_dtype` (default x's), read in place; an
-    int8 `stack` takes its per-channel `scale` [L, O, 1]. `interpret=None` interprets
-    unless the backend is a GPU; the block sizes left as None are `block_sizes`'s."""
-    if not fits(x, stack, scale):
-        raise ValueError(f"stacked_matmul takes [T <= {MAX_ROWS}, I] rows and a float (or "
-                         f"int8 with [L, O, 1] scales) [L, O, I] stack with blocks dividing "
-                         f"it, got {x.shape} and {stack.shape} {stack.dtype}")
-    guess = block_sizes(stack.shape[1], stack.shape[2], x.shape[0])
+    int8 `stack` takes its per-channel `scale` [L, O, 1], a group format its `scale` (and
+    `minimum`) [L, O, G] (see `fits`). `interpret=None` interprets unless the backend is a
+    GPU; the block sizes left as None are `block_sizes`'s (`block_k` in inputs)."""
+    if not fits(x, stack, scale, minimum):
+        raise ValueError(f"stacked_matmul takes [T <= {MAX_ROWS}, I] rows and a float [L, O, "
+                         f"I] stack, int8 with [L, O, 1] scales, or a group format (int8 or "
+                         f"packed 4-bit values, [L, O, G] scales) with blocks dividing it, got "
+                         f"{x.shape} and {stack.shape} {stack.dtype}")
+    in_f = x.shape[1]
+    packed = stack.dtype == jnp.uint8
+    group = group_of(stack, scale, in_f)
+    guess = block_sizes(stack.shape[1], in_f, x.shape[0], group, packed)
     block_n, block_k, splits = (block_n or guess[0], block_k or guess[1], splits or guess[2])
-    if stack.shape[1] % block_n or stack.shape[2] % (block_k * splits):
+    if (stack.shape[1] % block_n or in_f % (block_k * splits)
+            or (group and (block_k % group or (block_k // group) & (block_k // group - 1)))):
+        whole = f" in whole groups of {group} (a power of two a block)" if group else ""
         raise ValueError(f"blocks of {block_n} x {block_k} in {splits} splits do not divide "
-                         f"[{stack.shape[1]}, {stack.shape[2]}]")
+                         f"[{stack.shape[1]}, {in_f}]{whole}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    return _matmul(x, stack, jnp.asarray(layer, jnp.int32), scale, out_dtype=jnp.dtype(
-        out_dtype or x.dtype), interpret=bool(interpret), block_n=block_n, block_k=block_k,
-        splits=splits, num_warps=num_warps, num_stages=num_stages)
+    return _matmul(x, stack, jnp.asarray(layer, jnp.int32), scale, minimum,
+                   out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=bool(interpret),
+                   block_n=block_n, block_k=block_k, splits=splits, group=group,
+                   num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k",
-                                             "splits", "num_warps", "num_stages"))
-def _matmul(x, stack, layer, scale, *, out_dtype, interpret, block_n, block_k, splits,
-            num_warps, num_stages):
+                                             "splits", "group", "num_warps", "num_stages"))
+def _matmul(x, stack, layer, scale, minimum, *, out_dtype, interpret, block_n, block_k,
+            splits, group, num_warps, num_stages):
     rows, in_f = x.shape
-    out_f = stack.shape[1]
+    layers, out_f = stack.shape[:2]
     one_row = rows == 1
     padded = 1 if one_row else max(MIN_ROWS, 1 << (rows - 1).bit_length())
-    compute = stack.dtype if scale is None else x.dtype  # int8 converts to the rows' dtype
+    packed = stack.dtype == jnp.uint8
+    if jnp.issubdtype(stack.dtype, jnp.floating):
+        compute = stack.dtype
+    else:  # quantized values convert to the rows' dtype
+        compute = x.dtype
     xp = jnp.pad(x.astype(compute), ((0, padded - rows), (0, 0)))
     steps = in_f // block_k // splits
     part_dtype = out_dtype if splits == 1 else jnp.float32
     whole = pl.BlockSpec()  # the full array, indexed inside the kernel
-    operands = (layer.reshape(1), xp, stack) + (() if scale is None else (scale,))
+    if group:  # views (bitcasts) of the rows and the stack: see `_group_kernel`
+        groups = in_f // group
+        rows_view = xp.reshape(padded, in_f // 32, 32) if packed else xp.reshape(
+            padded, groups, group)
+        values = stack.reshape(layers, out_f, groups, -1)
+        operands = (layer.reshape(1), rows_view, values, scale) + (
+            () if minimum is None else (minimum,))
+        kernel = functools.partial(_group_kernel, block_n=block_n, groups=block_k // group,
+                                   steps=steps, one_row=one_row, packed=packed,
+                                   has_min=minimum is not None)
+    else:
+        operands = (layer.reshape(1), xp, stack) + (() if scale is None else (scale,))
+        kernel = functools.partial(_kernel, block_n=block_n, block_k=block_k, steps=steps,
+                                   one_row=one_row)
     parts = pl.pallas_call(
-        functools.partial(_kernel, block_n=block_n, block_k=block_k, steps=steps,
-                          one_row=one_row),
+        kernel,
         grid=(out_f // block_n, splits),
         in_specs=[whole] * len(operands),
         out_specs=pl.BlockSpec((None, padded, block_n), lambda n, s: (s, 0, n)),

@@ -17,8 +17,12 @@ of ops/quantization.py), in a form chosen per static shape from measurements on 
   reads. A layer of a stacked matrix reaches the kernel as the whole stack and an index
   (`stacked`): XLA copies a slice before a custom call reads it ("A CPU kernel for
   quantized matmuls, and 4-bit weights two a byte");
-- on a GPU, one row: a multiply and a sum (`row_sums`), which XLA fuses with the layer's
-  slice and the dequantization, reading the stored values in place;
+- on a GPU, float and per-channel int8 weights at one row: a multiply and a sum
+  (`row_sums`), which XLA fuses with the layer's slice and the dequantization, reading the
+  stored values in place; a layer of a stack handed whole (`stacked`: float and int8 from 2
+  rows, group formats and packed 4-bit values at any row count up to
+  ops/pallas_gpu_matmul.MAX_ROWS) and the int4 head's row blocks: ops/pallas_gpu_matmul, which
+  reads the stack in place and dequantizes in registers;
 - elsewhere, one row: the dequantization written as an elementwise function of [O, I]
   fuses into XLA's matrix-vector product, which then reads int8 instead of float32;
 - more rows: per-channel scales are applied to the dot's output. Group formats are
@@ -71,13 +75,10 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
     out = out_dtype or x.dtype
     wide = wide_dtype if wide_dtype is not None and x.shape[0] > NATIVE_MAX_ROWS else None
     dot = functools.partial(_dot_t, out_dtype=out)
-    if isinstance(w, dict) and "layer" in w and not native and x.shape[0] > 1:
-        # A float or per-channel int8 stack (`stacked`): ops/pallas_gpu_matmul reads the layer
-        # in place where it takes the shapes.
-        stack, scale = w.get("stack", w.get("q")), w.get("scale")
-        if "min" not in w and pallas_gpu_matmul.fits(x, stack, scale):
-            return pallas_gpu_matmul.stacked_matmul(x, stack, w["layer"], out_dtype,
-                                                    scale=scale)
+    if isinstance(w, dict) and not native and not int8_activations:
+        y = _stacked_kernel(x, w, out_dtype)
+        if y is not None:
+            return y
     if native and native_fits(x, w, any_rows):
         y = native_linear(x, w)
         return y if out_dtype is None else y.astype(out_dtype)
@@ -138,6 +139,27 @@ def _dot_t(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
 
 
+def _stacked_kernel(x: jax.Array, w: dict, out_dtype) -> jax.Array | None:
+    """ops/pallas_gpu_matmul's product where it takes `w`, else None: a layer handed whole
+    with its index (`stacked`), float or per-channel int8 from 2 rows (one row: `row_sums`
+    reads those in place) and group formats at any row count; and on a GPU a group-format
+    matrix outside the stack (the LM head's row blocks under int4) as a stack of one. XLA's
+    products of 4-bit values read 0.02-0.13 of the copy rate on an H200 (ops/pallas_gpu_matmul)."""
+    scale, minimum = w.get("scale"), w.get("min")
+    group = scale is not None and scale.shape[-1] > 1
+    if "layer" in w:
+        stack, layer = w.get("stack", w.get("q")), w["layer"]
+    elif group and jax.default_backend() == "gpu":
+        stack, layer, scale = w["q"][None], 0, scale[None]
+        minimum = None if minimum is None else minimum[None]
+    else:
+        return None
+    if (x.shape[0] == 1 and not group) or not pallas_gpu_matmul.fits(x, stack, scale, minimum):
+        return None
+    return pallas_gpu_matmul.stacked_matmul(x, stack, layer, out_dtype, scale=scale,
+                                            minimum=minimum)
+
+
 def reduces_one_row() -> bool:
     """Whether `linear` runs one row as `row_sums` (on a GPU)."""
     return jax.default_backend() == "gpu"
@@ -163,6 +185,7 @@ def _in_blocks(x: jax.Array, w: dict, chunked: bool, product) -> jax.Array:
     """`product(x, w)` [T, O], over blocks of w's rows that dequantize to at most
     CHUNK_BYTES when `chunked`, each block still in cache when its dot reads it."""
     rows = w["q"].shape[0]
+    chunked = chunked and jax.default_backend() == "cpu"  # a CPU's caches; a GPU: one dot
     chunk = chunk_rows(rows, x.shape[-1] * jnp.dtype(x.dtype).itemsize) if chunked else rows
     if chunk == rows:
         return product(x, w)
@@ -222,10 +245,20 @@ def runs_native(dtype, quant: dict, *, sharded: bool) -> bool:
                 and jax.default_backend() == "cpu" and native.available("qmatmul"))
 
 
+def holds_packed(dtype, quant: dict, *, sharded: bool) -> bool:
+    """Whether a model holds its 4-bit group matrices packed two values a byte
+    (`packed_formats`): where ops/native's kernel runs its matmuls (`runs_native`), and on one
+    GPU, where ops/pallas_gpu_matmul unpacks them in its read. XLA:CPU's own one-row product
+    would unpack them many times slower than it reads one value per int8."""
+    if runs_native(dtype, quant, sharded=sharded):
+        return True
+    return bool(quant and not sharded and jax.default_backend() == "gpu"
+                and not any(fmt.activations for fmt in quant.values()))
+
+
 def packed_formats(quant: dict) -> dict:
     """`quant` with its 4-bit group formats packed two values a byte (see ops/quantization.py's
-    docstring). XLA's own one-row product would unpack them many times slower than it reads
-    one value per int8, so only a model that `runs_native` packs them."""
+    docstring), for a model that `holds_packed`."""
     return {name: dataclasses.replace(fmt, packed=True)
             if fmt.bits == 4 and fmt.group and fmt.group % BLOCK == 0 else fmt
             for name, fmt in quant.items()}

@@ -19,8 +19,8 @@ leaves no time for are reported as skipped):
    bf16's decode traced (`--profile`: the device's busy time a step, its events, the host's).
 3. `python -m engine.bench.quantization`: float, int8 and int4 matmuls of the 8B MLP's shape at
    1 and 64 rows, each layer's weights sliced as a scan does and at constant indices,
-   float and int8 weights through ops/pallas_gpu_matmul too (two block shapes each), and
-   whether XLA copied or converted a whole matrix.
+   float, int8 and packed int4 weights through ops/pallas_gpu_matmul too (two block shapes
+   each), and whether XLA copied or converted a whole matrix.
 4. the 8B engine at batch 64 (the engine's default limits and layer loop), its decode traced.
 5. online: `python -m server --load-format dummy` on the 8B shape (config.json and a
    word-level tokenizer, random weights) with step 4's limits, so its executables come from
@@ -137,13 +137,13 @@ def main(argv=None) -> int:
 
     if wanted("quant_bench"):
         # The layer loops, scanned (XLA:GPU copied each float layer's slice) and unrolled, and
-        # float and int8 weights through ops/pallas_gpu_matmul (the stack and the layer
-        # index), each in two block shapes. At one row `linear` runs every format as a
-        # multiply and a sum on a GPU.
+        # float, int8 and packed int4 weights through ops/pallas_gpu_matmul (the stack and
+        # the layer index), each in two block shapes. At one row `linear` runs float and
+        # per-channel int8 as a multiply and a sum on a GPU, int4 in the Pallas kernel.
         cmd = [py, "-m", "engine.bench.quantization", "--output", str(out / "quant_bench.json"),
                "--layouts", "stacked,unrolled", "--rows", "1,64", "--formats",
-               "float,int8,int4,float-pallas,int8-pallas,float-pallas@32x512x0x4x3,"
-               "int8-pallas@64x512x0x4x3"]
+               "float,int8,int4,float-pallas,int8-pallas,int4-pallas,float-pallas@32x512x0x4x3,"
+               "int8-pallas@64x512x0x4x3,int4-pallas@64x512x0x8x3"]
         steps.append(run_step("quant_bench", cmd + (["--smoke"] if smoke else []), out,
                               120 if smoke else 60))
         path = out / "quant_bench.json"

@@ -102,7 +102,7 @@ def thunk_summary(dump: Path) -> dict:
 
 
 def compile_step(config: str, seqs: int, layer_loop: str, target: str, out: Path,
-                 num_layers: int | None = None) -> dict:
+                 num_layers: int | None = None, quantization: str | None = None) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -124,7 +124,8 @@ def compile_step(config: str, seqs: int, layer_loop: str, target: str, out: Path
     shape = preset_config(config)
     if num_layers:  # a large model's layers and head without all of its weights in memory
         shape = dataclasses.replace(shape, num_layers=num_layers)
-    model = random_model(shape, jnp.bfloat16, attention_backend="pallas-gpu")
+    model = random_model(shape, jnp.bfloat16, attention_backend="pallas-gpu",
+                         quantization=quantization)
     runner = ModelRunner(cfg, model=model)
     on_gpu = jax.sharding.SingleDeviceSharding(gpu)
     abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=on_gpu)  # noqa: E731
@@ -140,7 +141,7 @@ def compile_step(config: str, seqs: int, layer_loop: str, target: str, out: Path
     total = kernels(comps, entry, loops=loops)
     layers = runner.model_config.num_layers
     layer_loop_found = next((lp for lp in loops if lp["trip_count"] == layers), None)
-    return {"config": config, "seqs": seqs, "layer_loop": layer_loop,
+    return {"config": config, "seqs": seqs, "layer_loop": layer_loop, "quantization": quantization,
             "stacked_kernel": model.stacked_kernel, "kernels_a_step": total,
             "kernels_a_layer": layer_loop_found and layer_loop_found["kernels_a_pass"],
             "loops": loops}
@@ -153,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layer-loop", default="auto")
     ap.add_argument("--num-layers", type=int, help="fewer layers than the preset's (a layer's "
                     "kernels and the head's are the same; the step's total is not)")
+    ap.add_argument("--quantization", help="int8 or int4: the weights quantized as "
+                    "`--quantization` makes them")
     ap.add_argument("--target", help="a GpuTargetConfig in text form (default: an H200)")
     ap.add_argument("--out", required=True, help="directory for the programs and XLA's dump")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: this many rows
@@ -164,7 +167,7 @@ def main(argv=None) -> int:
 
         jax.default_backend = lambda: "gpu"
         res = compile_step(args.config, args.one, args.layer_loop, target, out,
-                           args.num_layers)
+                           args.num_layers, args.quantization)
         print("RESULT " + json.dumps(res))
         return 0
     results = []
@@ -180,6 +183,8 @@ def main(argv=None) -> int:
             cmd += ["--num-layers", str(args.num_layers)]
         if args.target:
             cmd += ["--target", args.target]
+        if args.quantization:
+            cmd += ["--quantization", args.quantization]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode or line is None:

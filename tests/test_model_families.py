@@ -144,11 +144,11 @@ def test_unrolled_layers_equal_the_scan(tiny):
 
 
 @families("qwen3")  # Gemma 3's float stack: test_every_layer_loop_gives_the_engine...
-@pytest.mark.parametrize("quantization", [pytest.param(None, marks=SLOW), "int8"])
+@pytest.mark.parametrize("quantization", [pytest.param(None, marks=SLOW), "int8", "int4"])
 def test_stacked_products_equal_the_scan(tiny, quantization):
-    """--layer-loop scan-pallas: float and per-channel int8 matrices handed to
-    ops/pallas_gpu_matmul as the stack and the layer index (interpreted on CPU, our CPU
-    kernel off) give the sliced products' logits."""
+    """--layer-loop scan-pallas: float, per-channel int8 and int4 matrices (packed two a
+    byte, groups of 32 with minimums) handed to ops/pallas_gpu_matmul as the stack and the
+    layer index (interpreted on CPU, our CPU kernel off) give the sliced products' logits."""
     family, path, _ = tiny
     ids = PROMPTS[2]
 
@@ -161,8 +161,10 @@ def test_stacked_products_equal_the_scan(tiny, quantization):
     want = GreedyDecoder(model(False), max_len=64, page_size=8).prompt_logits(ids)
     stacked = model(True)
     layer = stacked.layer_params(nnx.to_pure_dict(nnx.state(stacked.layers)), jnp.int32(0))
-    assert {"stack", "layer"} == set(layer["wq"]) if quantization is None else (
-        {"q", "scale", "layer"} == set(layer["wq"]))  # the whole stack reaches the product
+    parts = {None: {"stack"}, "int8": {"q", "scale"}, "int4": {"q", "scale", "min"}}
+    assert set(layer["wq"]) == parts[quantization] | {"layer"}  # the whole stack goes
+    if quantization == "int4":
+        assert layer["wq"]["q"].dtype == jnp.uint8  # packed
     got = GreedyDecoder(stacked, max_len=64, page_size=8).prompt_logits(ids)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)  # summed in another order
 

@@ -49,6 +49,52 @@ def test_int8_weights_with_per_channel_scales(rows):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("out_f,in_f,rows,bits,group,has_min", [
+    (128, 512, 1, 4, 32, True),    # --quantization int4 (Q4_1's format), one row
+    (128, 512, 3, 4, 32, True),    # a drafting step's rows: dequantized for the dot
+    (64, 256, 1, 4, 32, False),    # Q4_0: symmetric values stored plus 8
+    (64, 256, 20, 4, 32, False),
+    (64, 512, 2, 4, 64, True),     # a scale for two blocks of 32
+    (96, 576, 1, 8, 32, False),    # Q8_0: int8 values in groups
+    (96, 576, 5, 8, 32, False),
+    (64, 512, 1, 4, 32, "int8"),   # 4-bit values one per int8 (not packed)
+])
+def test_group_formats_read_in_place(out_f, in_f, rows, bits, group, has_min):
+    """Group formats, 4-bit values packed two a byte (ops/quantization.pack) or int8, each
+    group's scale (and minimum) applied in the kernel: the product of the dequantized layer,
+    with at most float32's rounding of a different order."""
+    from ops.quantization import QuantFormat, dequantize, pack, quantize
+    x, w = _case(3, out_f, in_f, rows, seed=rows)
+    fmt = QuantFormat(bits, group, has_min=bool(has_min))
+    parts = quantize(np.asarray(w), fmt)
+    q = parts["q"] if bits == 8 or has_min == "int8" else pack(parts["q"], not fmt.has_min)
+    q, scale = jnp.asarray(q), jnp.asarray(parts["scale"])
+    minimum = jnp.asarray(parts["min"]) if "min" in parts else None
+    assert q.dtype == (jnp.int8 if bits == 8 or has_min == "int8" else jnp.uint8)
+    assert fits(x, q, scale, minimum)
+    want = np.asarray(x) @ np.asarray(dequantize(q, scale, minimum))[2].T
+    got = stacked_matmul(x, q, jnp.int32(2), scale=scale, minimum=minimum)
+    assert got.shape == (rows, out_f)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+
+
+def test_group_blocks_take_whole_groups():
+    """A group format's block: whole groups, a power of two of them dividing the row's."""
+    assert block_sizes(14336, 4096, 1, group=32, packed=True) == (64, 256, 2)  # 8 groups
+    assert block_sizes(4096, 14336, 1, group=32, packed=True) == (64, 256, 4)  # 448 groups
+    assert block_sizes(576, 576, 1, group=32, packed=True) == (64, 64, 1)     # 18 groups
+    assert block_sizes(14336, 4096, 64, group=32, packed=True) == (64, 256, 2)
+    assert block_sizes(1024, 4096, 1, group=32) == (64, 128, 8)   # int8 values: 4 groups
+    x = jnp.zeros((1, 512), jnp.float32)
+    q, scale = jnp.zeros((2, 64, 256), jnp.uint8), jnp.ones((2, 64, 16), jnp.float16)
+    assert fits(x, q, scale) and not fits(x, q)           # packed values need their scales
+    assert not fits(x, q, scale, jnp.ones((2, 64, 8), jnp.float16))  # minimums' shape
+    assert not fits(x, q, jnp.ones((2, 64, 32), jnp.float16))  # packed groups of 16
+    assert not fits(x, jnp.zeros((2, 64, 512), jnp.int8), jnp.ones((2, 64, 6), jnp.float16))
+    with pytest.raises(ValueError, match="whole groups"):
+        stacked_matmul(x, q, 0, scale=scale, block_k=96)
+
+
 def test_bfloat16_weights_and_a_float32_result():
     x, stack = _case(2, 128, 256, 8, jnp.bfloat16)
     got = stacked_matmul(x, stack, 1, jnp.float32)
@@ -77,13 +123,61 @@ def test_what_it_takes():
         stacked_matmul(x, stack, 0, block_n=128)
 
 
-@pytest.mark.parametrize("rows,int8", [(64, False), (1, False), (8, True), (1, True)])
-def test_lowers_to_one_triton_kernel_for_cuda(rows, int8):
+@pytest.mark.parametrize("rows,kind", [(64, "float"), (1, "float"), (8, "int8"), (1, "int8"),
+                                       (1, "int4"), (8, "int4"), (1, "q8_0")])
+def test_lowers_to_one_triton_kernel_for_cuda(rows, kind):
     x, stack = _case(4, 1024, 256, rows, jnp.bfloat16)
-    scale = None
-    if int8:
+    scale = minimum = None
+    if kind == "int8":
         stack, scale = stack.astype(jnp.int8), jnp.ones((4, 1024, 1), jnp.float16)
-    fn = jax.jit(lambda x, s, layer, c: stacked_matmul(x, s, layer, scale=c, interpret=False))
-    text = fn.trace(x, stack, jnp.int32(1), scale).lower(
+    elif kind == "int4":  # packed, groups of 32 with minimums
+        stack, scale = jnp.zeros((4, 1024, 128), jnp.uint8), jnp.ones((4, 1024, 8), jnp.float16)
+        minimum = scale
+    elif kind == "q8_0":
+        stack, scale = stack.astype(jnp.int8), jnp.ones((4, 1024, 8), jnp.float16)
+    fn = jax.jit(lambda x, s, layer, c, m: stacked_matmul(x, s, layer, scale=c, minimum=m,
+                                                          interpret=False))
+    text = fn.trace(x, stack, jnp.int32(1), scale, minimum).lower(
         lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
+
+
+def test_linear_hands_a_gpu_its_group_formats(monkeypatch):
+    """On a GPU (faked here), `linear` gives ops/pallas_gpu_matmul every group-format product
+    (a layer of a stack at any row count, the int4 head's blocks as a stack of one) and
+    float and per-channel int8 stacks from 2 rows; a model there holds its 4-bit matrices
+    packed."""
+    from ops import pallas_gpu_matmul, quantized_linear
+    from ops.quantization import QuantFormat, pack, quantize
+    from ops.quantized_linear import holds_packed, linear, stacked
+
+    calls = []
+
+    def record(x, stack, layer, out_dtype=None, *, scale=None, minimum=None):
+        calls.append((x.shape[0], stack.shape, stack.dtype, minimum is not None))
+        return jnp.zeros((x.shape[0], stack.shape[1]), out_dtype or x.dtype)
+
+    _, w = _case(2, 64, 256, 1)
+    int4 = quantize(np.asarray(w), QuantFormat(4, 32, has_min=True))
+    int4["q"] = pack(int4["q"], False)
+    int4 = {k: jnp.asarray(v) for k, v in int4.items()}
+    per_channel = {k: jnp.asarray(v) for k, v in quantize(np.asarray(w), QuantFormat(8, 0)).items()}
+    plan = {"layers.wq": QuantFormat(4, 32, has_min=True)}
+    assert not holds_packed(jnp.bfloat16, plan, sharded=False)  # this CPU, bfloat16: no kernel
+    monkeypatch.setattr(quantized_linear.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(pallas_gpu_matmul, "stacked_matmul", record)
+    assert holds_packed(jnp.bfloat16, plan, sharded=False)
+    assert not holds_packed(jnp.bfloat16, plan, sharded=True)  # a mesh: XLA's products
+    assert not holds_packed(jnp.bfloat16, {"w": QuantFormat(8, 0, activations=8)}, sharded=False)
+    one, two = jnp.ones((1, 256)), jnp.ones((2, 256))
+    for x in (one, two):
+        linear(x, stacked(int4, jnp.int32(1)))
+    linear(one, {k: v[0] for k, v in int4.items()})  # outside the stack: a stack of one
+    assert calls == [(1, (2, 64, 128), jnp.uint8, True), (2, (2, 64, 128), jnp.uint8, True),
+                     (1, (1, 64, 128), jnp.uint8, True)]
+    calls.clear()
+    linear(one, stacked(per_channel, jnp.int32(1)))  # one row: a multiply and a sum
+    linear(two, {k: v[0] for k, v in per_channel.items()})  # outside the stack: XLA's dot
+    assert calls == []
+    linear(two, stacked(per_channel, jnp.int32(1)))
+    assert calls == [(2, (2, 64, 256), jnp.int8, False)]

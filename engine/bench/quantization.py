@@ -32,15 +32,16 @@ import jax.numpy as jnp
 
 from engine.bench.attention import measure_ceilings, rel_err, time_median
 from ops.pallas_gpu_matmul import stacked_matmul
-from ops.quantization import QuantFormat, dequantize, held_bytes, quantize
+from ops.quantization import QuantFormat, dequantize, held_bytes, pack, quantize
 from ops.quantized_linear import linear, row_sums
 
 FORMATS = {"float": None, "int8": QuantFormat(8, 0), "int4": QuantFormat(4, 32, has_min=True),
            # candidates: `row_sums` (one row on a GPU) at any row count
            "int8-reduce": QuantFormat(8, 0), "float-reduce": None,
-           # float and per-channel int8 weights through ops/pallas_gpu_matmul (the stack and
-           # the layer index)
-           "float-pallas": None, "int8-pallas": QuantFormat(8, 0)}
+           # through ops/pallas_gpu_matmul (the stack and the layer index): float,
+           # per-channel int8, and int4 packed two a byte (as a model on one GPU holds it)
+           "float-pallas": None, "int8-pallas": QuantFormat(8, 0),
+           "int4-pallas": QuantFormat(4, 32, has_min=True, packed=True)}
 LAYOUTS = ("stacked", "counted", "unrolled", "separate")
 ROTATE_BYTES = 512 << 20  # the float layers together exceed any cache (H200 L2: 60 MB)
 
@@ -57,13 +58,14 @@ def make_weights(fmt: QuantFormat | None, layers: int, out_f: int, in_f: int, dt
         if fmt is None:
             return w.astype(dtype)
         parts = quantize(w, fmt, xp=jnp)
+        if fmt.packed:
+            return parts | {"q": pack(parts["q"], not fmt.has_min, xp=jnp)}
         return parts | {"q": parts["q"].astype(fmt.storage_dtype())}
     return jax.jit(init)(jax.random.key(seed))
 
 
 def pallas_linear(options: str = ""):
-    """Float or per-channel int8 weights through ops/pallas_gpu_matmul: the whole stack and
-    the layer index.
+    """Weights through ops/pallas_gpu_matmul: the whole stack and the layer index.
     `options`: "BNxBKxSPLITSxWARPSxSTAGES" (0: the kernel's choice), from a format named
     float-pallas@OPTIONS."""
     names = ("block_n", "block_k", "splits", "num_warps", "num_stages")
@@ -72,10 +74,12 @@ def pallas_linear(options: str = ""):
 
     def product(x: jax.Array, w, layer) -> jax.Array:
         stack, scale = (w["q"], w["scale"]) if isinstance(w, dict) else (w, None)
-        out_f, in_f = stack.shape[1:]
+        minimum = w.get("min") if isinstance(w, dict) else None
+        out_f, in_f = stack.shape[1], x.shape[1]
         fits = (out_f % kwargs.get("block_n", 1) == 0  # else (--smoke's shapes) its choice
                 and in_f % (kwargs.get("block_k", 1) * kwargs.get("splits", 1)) == 0)
-        return stacked_matmul(x, stack, layer, scale=scale, **(kwargs if fits else {}))
+        return stacked_matmul(x, stack, layer, scale=scale, minimum=minimum,
+                              **(kwargs if fits else {}))
 
     product.takes_stack = True  # layer_loop hands it the stack and the index, unsliced
     return product
