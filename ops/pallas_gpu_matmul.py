@@ -21,7 +21,8 @@ several splits the partial sums (float32) are added after the kernel; they give 
 of few output channels (Llama-3-8B's k and v projections: 1,024) enough programs to fill
 the GPU. A group format's block is whole groups, [block_n, groups, group values] (the
 stack seen as [L, O, G, I / G], a view): one row sums each group's products and scales the
-group's sum (and adds a minimum times the group's sum of x); more rows
+group's sum (and adds a minimum times the group's sum of x), each block's groups kept apart
+until the last step (one sum across threads a program, not one a step); more rows
 dequantize the block in x's dtype for the dot. Block sizes are first guesses, measured by
 `python -m engine.bench.quantization --formats float-pallas,int8-pallas,int4-pallas` (and
 `@BNxBKxSPLITSxWARPSxSTAGES` variants).
@@ -180,7 +181,7 @@ def _group_kernel(layer_ref, x_ref, w_ref, s_ref, *rest, block_n, groups, steps,
             part = sc * sums
             if mn is not None:
                 part = part + mn * sum(jnp.sum(xr, axis=1) for xr in xf)[None, :]
-            return acc + jnp.sum(part, axis=1)
+            return acc + part  # [bn, ng]: summed over the groups once, after the loop
         for v, xr in zip(values, xs, strict=True):
             w = v.astype(jnp.float32) * sc[:, :, None]
             if mn is not None:
@@ -190,8 +191,10 @@ def _group_kernel(layer_ref, x_ref, w_ref, s_ref, *rest, block_n, groups, steps,
                                       precision=jax.lax.Precision.HIGHEST)
         return acc
 
-    shape = (block_n,) if one_row else (rows, block_n)
+    shape = (block_n, groups) if one_row else (rows, block_n)
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(shape, jnp.float32))
+    if one_row:
+        acc = jnp.sum(acc, axis=1)
     o_ref[...] = acc.reshape(o_ref.shape).astype(o_ref.dtype)
 
 

@@ -139,11 +139,12 @@ def main(argv=None) -> int:
         # The layer loops, scanned (XLA:GPU copied each float layer's slice) and unrolled, and
         # float, int8 and packed int4 weights through ops/pallas_gpu_matmul (the stack and
         # the layer index), each in two block shapes. At one row `linear` runs float and
-        # per-channel int8 as a multiply and a sum on a GPU, int4 in the Pallas kernel.
+        # per-channel int8 as a multiply and a sum on a GPU, int4 in the Pallas kernel
+        # (`int4-reduce`: XLA's multiply and sum over the same packed bytes, its rival).
         cmd = [py, "-m", "engine.bench.quantization", "--output", str(out / "quant_bench.json"),
                "--layouts", "stacked,unrolled", "--rows", "1,64", "--formats",
-               "float,int8,int4,float-pallas,int8-pallas,int4-pallas,float-pallas@32x512x0x4x3,"
-               "int8-pallas@64x512x0x4x3,int4-pallas@64x512x0x8x3"]
+               "float,int8,int4,int4-reduce,float-pallas,int8-pallas,int4-pallas,"
+               "float-pallas@32x512x0x4x3,int8-pallas@64x512x0x4x3,int4-pallas@64x512x0x8x3"]
         steps.append(run_step("quant_bench", cmd + (["--smoke"] if smoke else []), out,
                               120 if smoke else 60))
         path = out / "quant_bench.json"

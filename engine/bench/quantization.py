@@ -36,8 +36,10 @@ from ops.quantization import QuantFormat, dequantize, held_bytes, pack, quantize
 from ops.quantized_linear import linear, row_sums
 
 FORMATS = {"float": None, "int8": QuantFormat(8, 0), "int4": QuantFormat(4, 32, has_min=True),
-           # candidates: `row_sums` (one row on a GPU) at any row count
+           # candidates: `row_sums` (one row on a GPU) at any row count; int4 packed two a
+           # byte as a model on one GPU holds it
            "int8-reduce": QuantFormat(8, 0), "float-reduce": None,
+           "int4-reduce": QuantFormat(4, 32, has_min=True, packed=True),
            # through ops/pallas_gpu_matmul (the stack and the layer index): float,
            # per-channel int8, and int4 packed two a byte (as a model on one GPU holds it)
            "float-pallas": None, "int8-pallas": QuantFormat(8, 0),
