@@ -34,6 +34,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
@@ -118,10 +119,10 @@ def fits(x: jax.Array, stack: jax.Array, scale: jax.Array | None = None,
             and block_sizes(stack.shape[1], in_f, rows, group, packed) is not None)
 
 
-def _kernel(layer_ref, x_ref, w_ref, *rest, block_n, block_k, steps, one_row):
-    *scale_ref, o_ref = rest
-    n, split = pl.program_id(0), pl.program_id(1)
-    layer = layer_ref[0]
+def _float_block(layer, x_ref, w_ref, scale_ref, n, split, *, block_n, block_k, steps,
+                 one_row):
+    """One float (or per-channel int8) matrix's block of channels `n`, split `split`:
+    [bn] sums (one row) or [R, bn]."""
     channels = pl.ds(n * block_n, block_n)
 
     def body(i, acc):
@@ -136,21 +137,18 @@ def _kernel(layer_ref, x_ref, w_ref, *rest, block_n, block_k, steps, one_row):
 
     shape = (block_n,) if one_row else (x_ref.shape[0], block_n)
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(shape, jnp.float32))
-    if scale_ref:  # int8: one scale per output channel, applied to the sums
-        acc = acc * scale_ref[0][layer, channels, 0].astype(jnp.float32)
-    o_ref[...] = acc.reshape(o_ref.shape).astype(o_ref.dtype)
+    if scale_ref is not None:  # int8: one scale per output channel, applied to the sums
+        acc = acc * scale_ref[layer, channels, 0].astype(jnp.float32)
+    return acc
 
 
-def _group_kernel(layer_ref, x_ref, w_ref, s_ref, *rest, block_n, groups, steps, one_row,
-                  packed, has_min):
-    """A group format's block. x_ref: the rows as [R, I / 32, 32] when `packed` (each block
-    of 32 inputs: its first 16 meet the low nibbles, the rest the high ones), else [R, G,
-    group]; w_ref the values [L, O, G, W]; s_ref the scales [L, O, G]; then the minimums
-    (`has_min`) and the output. Both views of x and w are bitcasts: nothing is prepared
-    outside the kernel."""
-    m_ref, o_ref = (rest[0], rest[1]) if has_min else (None, rest[0])
-    n, split = pl.program_id(0), pl.program_id(1)
-    layer = layer_ref[0]
+def _group_block(layer, x_ref, w_ref, s_ref, m_ref, n, split, *, block_n, groups, steps,
+                 one_row, packed):
+    """One group-format matrix's block of channels `n`, split `split`. x_ref: the rows as
+    [R, I / 32, 32] when `packed` (each block of 32 inputs: its first 16 meet the low
+    nibbles, the rest the high ones), else [R, G, group]; w_ref the values [L, O, G, W];
+    s_ref the scales [L, O, G]; m_ref the minimums or None. Both views of x and w are
+    bitcasts: nothing is prepared outside the kernel."""
     channels = pl.ds(n * block_n, block_n)
     rows = x_ref.shape[0]
     width = w_ref.shape[3]  # values of a group a part
@@ -161,7 +159,7 @@ def _group_kernel(layer_ref, x_ref, w_ref, s_ref, *rest, block_n, groups, steps,
         g = pl.ds(g0, groups)
         wb = w_ref[layer, channels, g, :]                            # [bn, ng, W]
         sc = s_ref[layer, channels, g].astype(jnp.float32)           # [bn, ng]
-        if has_min:
+        if m_ref is not None:
             mn = m_ref[layer, channels, g].astype(jnp.float32)
         elif packed:  # symmetric values are stored plus 8
             mn = -8.0 * sc
@@ -193,85 +191,151 @@ def _group_kernel(layer_ref, x_ref, w_ref, s_ref, *rest, block_n, groups, steps,
 
     shape = (block_n, groups) if one_row else (rows, block_n)
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(shape, jnp.float32))
-    if one_row:
-        acc = jnp.sum(acc, axis=1)
-    o_ref[...] = acc.reshape(o_ref.shape).astype(o_ref.dtype)
+    return jnp.sum(acc, axis=1) if one_row else acc
+
+
+def _kernel(layer_ref, x_ref, *refs, starts, parts, slots, block):
+    """The matrices' blocks of channels side by side along the grid's first axis: program n
+    computes the block of the matrix whose channels it falls in (`starts`: each matrix's
+    first block, then their total), through `block` (`_float_block` or `_group_block`,
+    which takes `slots` refs a matrix: values, scales and minimums, None where a matrix has
+    fewer, `parts`)."""
+    *refs, o_ref = refs
+    n, split = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+
+    def run(m):
+        mine = list(refs[m * parts:(m + 1) * parts]) + [None] * (slots - parts)
+        acc = block(layer, x_ref, *mine, n - starts[m], split)
+        o_ref[...] = acc.reshape(o_ref.shape).astype(o_ref.dtype)
+
+    if len(starts) == 2:  # one matrix
+        run(0)
+        return
+    for m in range(len(starts) - 1):
+        pl.when((n >= starts[m]) & (n < starts[m + 1]))(functools.partial(run, m))
+
+
+def _kind(x: jax.Array, w: dict) -> tuple:
+    """What must be alike for products in one call: the values' dtype and shape past the
+    channels, the group, whether there are scales and minimums."""
+    stack, scale = w["stack"], w.get("scale")
+    return (stack.dtype, stack.shape[0], stack.shape[2], group_of(stack, scale, x.shape[1]),
+            scale is None, w.get("min") is None)
+
+
+def alike(x: jax.Array, mats: list[dict]) -> bool:
+    """Whether `stacked_matmuls` takes these matrices in one call (each of them `fits`)."""
+    return len({_kind(x, w) for w in mats}) == 1
+
+
+def stacked_matmuls(x: jax.Array, mats: list[dict], layer, out_dtype=None, *,
+                    interpret: bool | None = None, block_n: int | None = None,
+                    block_k: int | None = None, splits: int | None = None,
+                    num_warps: int = 4, num_stages: int = 4) -> list[jax.Array]:
+    """x [T, I] @ stack[layer]^T -> [T, O] for each of `mats` ({"stack", "scale", "min"}, as
+    `stacked_matmul` takes them, all of one kind: a layer's q, k and v, its gate and up) in
+    one kernel, its grid the matrices' blocks of channels side by side."""
+    for w in mats:
+        if not fits(x, w["stack"], w.get("scale"), w.get("min")):
+            raise ValueError(
+                f"stacked_matmul takes [T <= {MAX_ROWS}, I] rows and a float [L, O, I] "
+                f"stack, int8 with [L, O, 1] scales, or a group format (int8 or packed 4-bit "
+                f"values, [L, O, G] scales) with blocks dividing it, got {x.shape} and "
+                f"{w['stack'].shape} {w['stack'].dtype}")
+    if not alike(x, mats):
+        raise ValueError("matrices multiplied in one call must be of one kind (dtype, "
+                         "layers, inputs, group, scales and minimums)")
+    rows, in_f = x.shape
+    first = mats[0]["stack"]
+    packed = first.dtype == jnp.uint8
+    group = group_of(first, mats[0].get("scale"), in_f)
+    out_fs = [w["stack"].shape[1] for w in mats]
+    guesses = [block_sizes(o, in_f, rows, group, packed) for o in out_fs]
+    block_n = block_n or min(g[0] for g in guesses)
+    block_k = block_k or guesses[0][1]
+    if not splits:
+        splits = _splits(sum(out_fs) // block_n, in_f // block_k)
+    if (any(o % block_n for o in out_fs) or in_f % (block_k * splits)
+            or (group and (block_k % group or (block_k // group) & (block_k // group - 1)))):
+        whole = f" in whole groups of {group} (a power of two a block)" if group else ""
+        raise ValueError(f"blocks of {block_n} x {block_k} in {splits} splits do not divide "
+                         f"{out_fs} x {in_f}{whole}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    arrays = [(w["stack"], w.get("scale"), w.get("min")) for w in mats]
+    return list(_matmuls(x, arrays, jnp.asarray(layer, jnp.int32),
+                         out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=bool(interpret),
+                         block_n=block_n, block_k=block_k, splits=splits, group=group,
+                         num_warps=num_warps, num_stages=num_stages))
 
 
 def stacked_matmul(x: jax.Array, stack: jax.Array, layer, out_dtype=None, *,
                    scale: jax.Array | None = None, minimum: jax.Array | None = None,
-                   interpret: bool | None = None, block_n: int | None = None,
-                   block_k: int | None = None, splits: int | None = None,
-                   num_warps: int = 4, num_stages: int = 4) -> jax.Array:
+                   **options) -> jax.Array:
     """x [T, I] @ stack[layer]^T -> [T, O] in `out_dtype` (default x's), read in place; an
     int8 `stack` takes its per-channel `scale` [L, O, 1], a group format its `scale` (and
-    `minimum`) [L, O, G] (see `fits`). `interpret=None` interprets unless the backend is a
-    GPU; the block sizes left as None are `block_sizes`'s (`block_k` in inputs)."""
-    if not fits(x, stack, scale, minimum):
-        raise ValueError(f"stacked_matmul takes [T <= {MAX_ROWS}, I] rows and a float [L, O, "
-                         f"I] stack, int8 with [L, O, 1] scales, or a group format (int8 or "
-                         f"packed 4-bit values, [L, O, G] scales) with blocks dividing it, got "
-                         f"{x.shape} and {stack.shape} {stack.dtype}")
-    in_f = x.shape[1]
-    packed = stack.dtype == jnp.uint8
-    group = group_of(stack, scale, in_f)
-    guess = block_sizes(stack.shape[1], in_f, x.shape[0], group, packed)
-    block_n, block_k, splits = (block_n or guess[0], block_k or guess[1], splits or guess[2])
-    if (stack.shape[1] % block_n or in_f % (block_k * splits)
-            or (group and (block_k % group or (block_k // group) & (block_k // group - 1)))):
-        whole = f" in whole groups of {group} (a power of two a block)" if group else ""
-        raise ValueError(f"blocks of {block_n} x {block_k} in {splits} splits do not divide "
-                         f"[{stack.shape[1]}, {in_f}]{whole}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    return _matmul(x, stack, jnp.asarray(layer, jnp.int32), scale, minimum,
-                   out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=bool(interpret),
-                   block_n=block_n, block_k=block_k, splits=splits, group=group,
-                   num_warps=num_warps, num_stages=num_stages)
+    `minimum`) [L, O, G] (see `fits`). `options`: `interpret` (None: unless the backend is
+    a GPU), and the block sizes (`block_n`, `block_k` in inputs, `splits`; those left as None
+    are `block_sizes`'s), `num_warps`, `num_stages`."""
+    mat = {"stack": stack}
+    if scale is not None:
+        mat["scale"] = scale
+    if minimum is not None:
+        mat["min"] = minimum
+    return stacked_matmuls(x, [mat], layer, out_dtype, **options)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k",
                                              "splits", "group", "num_warps", "num_stages"))
-def _matmul(x, stack, layer, scale, minimum, *, out_dtype, interpret, block_n, block_k,
-            splits, group, num_warps, num_stages):
+def _matmuls(x, arrays, layer, *, out_dtype, interpret, block_n, block_k, splits, group,
+             num_warps, num_stages):
     rows, in_f = x.shape
-    layers, out_f = stack.shape[:2]
     one_row = rows == 1
     padded = 1 if one_row else max(MIN_ROWS, 1 << (rows - 1).bit_length())
-    packed = stack.dtype == jnp.uint8
-    if jnp.issubdtype(stack.dtype, jnp.floating):
-        compute = stack.dtype
+    stack0, scale0, min0 = arrays[0]
+    packed = stack0.dtype == jnp.uint8
+    if jnp.issubdtype(stack0.dtype, jnp.floating):
+        compute = stack0.dtype
     else:  # quantized values convert to the rows' dtype
         compute = x.dtype
     xp = jnp.pad(x.astype(compute), ((0, padded - rows), (0, 0)))
     steps = in_f // block_k // splits
     part_dtype = out_dtype if splits == 1 else jnp.float32
-    whole = pl.BlockSpec()  # the full array, indexed inside the kernel
-    if group:  # views (bitcasts) of the rows and the stack: see `_group_kernel`
+    out_fs = [stack.shape[1] for stack, _, _ in arrays]
+    starts = tuple(int(v) for v in np.cumsum([0] + [o // block_n for o in out_fs]))
+    operands = [layer.reshape(1)]
+    if group:  # views (bitcasts) of the rows and the stack: see `_group_block`
         groups = in_f // group
-        rows_view = xp.reshape(padded, in_f // 32, 32) if packed else xp.reshape(
-            padded, groups, group)
-        values = stack.reshape(layers, out_f, groups, -1)
-        operands = (layer.reshape(1), rows_view, values, scale) + (
-            () if minimum is None else (minimum,))
-        kernel = functools.partial(_group_kernel, block_n=block_n, groups=block_k // group,
-                                   steps=steps, one_row=one_row, packed=packed,
-                                   has_min=minimum is not None)
+        operands.append(xp.reshape(padded, in_f // 32, 32) if packed
+                        else xp.reshape(padded, groups, group))
+        for stack, scale, minimum in arrays:
+            operands += [stack.reshape(*stack.shape[:2], groups, -1), scale]
+            operands += [] if minimum is None else [minimum]
+        block = functools.partial(_group_block, block_n=block_n, groups=block_k // group,
+                                  steps=steps, one_row=one_row, packed=packed)
+        parts = 2 + (min0 is not None)
     else:
-        operands = (layer.reshape(1), xp, stack) + (() if scale is None else (scale,))
-        kernel = functools.partial(_kernel, block_n=block_n, block_k=block_k, steps=steps,
-                                   one_row=one_row)
-    parts = pl.pallas_call(
-        kernel,
-        grid=(out_f // block_n, splits),
+        operands.append(xp)
+        for stack, scale, _ in arrays:
+            operands += [stack] + ([] if scale is None else [scale])
+        block = functools.partial(_float_block, block_n=block_n, block_k=block_k,
+                                  steps=steps, one_row=one_row)
+        parts = 1 + (scale0 is not None)
+    whole = pl.BlockSpec()  # the full array, indexed inside the kernel
+    out = pl.pallas_call(
+        functools.partial(_kernel, starts=starts, parts=parts, slots=3 if group else 2,
+                          block=block),
+        grid=(starts[-1], splits),
         in_specs=[whole] * len(operands),
         out_specs=pl.BlockSpec((None, padded, block_n), lambda n, s: (s, 0, n)),
-        out_shape=jax.ShapeDtypeStruct((splits, padded, out_f), part_dtype),
+        out_shape=jax.ShapeDtypeStruct((splits, padded, sum(out_fs)), part_dtype),
         interpret=interpret,
         # Picks the Triton lowering (else jax 0.10 lowers to Mosaic GPU); num_warps and
         # num_stages are first guesses.
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="stacked_matmul",
     )(*operands)
-    out = parts[0] if splits == 1 else parts.sum(0)
-    return out[:rows].astype(out_dtype)
+    out = (out[0] if splits == 1 else out.sum(0))[:rows].astype(out_dtype)
+    ends = np.cumsum(out_fs)
+    return tuple(out[:, e - o:e] for o, e in zip(out_fs, ends, strict=True))

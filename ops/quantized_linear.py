@@ -139,12 +139,13 @@ def _dot_t(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
 
 
-def _stacked_kernel(x: jax.Array, w: dict, out_dtype) -> jax.Array | None:
-    """ops/pallas_gpu_matmul's product where it takes `w`, else None: a layer handed whole
-    with its index (`stacked`), float or per-channel int8 from 2 rows (one row: `row_sums`
-    reads those in place) and group formats at any row count; and on a GPU a group-format
-    matrix outside the stack (the LM head's row blocks under int4) as a stack of one. XLA's
-    products of 4-bit values read 0.02-0.13 of the copy rate on an H200 (ops/pallas_gpu_matmul)."""
+def _kernel_operands(x: jax.Array, w: dict) -> tuple[dict, object] | None:
+    """`w` as ops/pallas_gpu_matmul takes it ({"stack", "scale", "min"} and the layer index)
+    where `linear` hands it there, else None: a layer handed whole with its index
+    (`stacked`), float or per-channel int8 from 2 rows (one row: `row_sums` reads those in
+    place) and group formats at any row count; and on a GPU a group-format matrix outside
+    the stack (the LM head's row blocks under int4) as a stack of one. XLA's products of
+    4-bit values read 0.02-0.13 of the copy rate on an H200 (ops/pallas_gpu_matmul)."""
     scale, minimum = w.get("scale"), w.get("min")
     group = scale is not None and scale.shape[-1] > 1
     if "layer" in w:
@@ -156,8 +157,18 @@ def _stacked_kernel(x: jax.Array, w: dict, out_dtype) -> jax.Array | None:
         return None
     if (x.shape[0] == 1 and not group) or not pallas_gpu_matmul.fits(x, stack, scale, minimum):
         return None
-    return pallas_gpu_matmul.stacked_matmul(x, stack, layer, out_dtype, scale=scale,
-                                            minimum=minimum)
+    mat = {"stack": stack}
+    mat.update({} if scale is None else {"scale": scale})
+    mat.update({} if minimum is None else {"min": minimum})
+    return mat, layer
+
+
+def _stacked_kernel(x: jax.Array, w: dict, out_dtype) -> jax.Array | None:
+    """ops/pallas_gpu_matmul's product where it takes `w` (`_kernel_operands`), else None."""
+    found = _kernel_operands(x, w)
+    if found is None:
+        return None
+    return pallas_gpu_matmul.stacked_matmuls(x, [found[0]], found[1], out_dtype)[0]
 
 
 def reduces_one_row() -> bool:
@@ -308,11 +319,19 @@ def native_linears(x: jax.Array, ws: list[dict]) -> list[jax.Array]:
 
 def linears(x: jax.Array, ws: list, *, native: bool = False, **kwargs) -> list[jax.Array]:
     """`linear(x, w, ...)` for each of `ws` (same rows x): one native call for all where the
-    kernel takes every one of them (q, k and v; gate and up), else one product each."""
+    CPU kernel takes every one of them (q, k and v; gate and up), one call of
+    ops/pallas_gpu_matmul where it takes each and they are alike, else one product each."""
     any_rows = kwargs.get("any_rows", False)
     if (native and 1 < len(ws) <= NATIVE_MAX_MATRICES
             and all(native_fits(x, w, any_rows) for w in ws)):
         return native_linears(x, ws)
+    if not native and not kwargs.get("int8_activations") and len(ws) > 1:
+        # one ops/pallas_gpu_matmul kernel for all where it takes each, alike, of one layer
+        found = [_kernel_operands(x, w) if isinstance(w, dict) else None for w in ws]
+        if (all(f is not None and f[1] is found[0][1] for f in found)
+                and pallas_gpu_matmul.alike(x, [f[0] for f in found])):
+            return pallas_gpu_matmul.stacked_matmuls(x, [f[0] for f in found], found[0][1],
+                                                     kwargs.get("out_dtype"))
     return [linear(x, w, native=native, **kwargs) for w in ws]
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ops.pallas_gpu_matmul import block_sizes, fits, stacked_matmul
+from ops.pallas_gpu_matmul import alike, block_sizes, fits, stacked_matmul, stacked_matmuls
 
 
 def _case(layers, out_f, in_f, rows, dtype=jnp.float32, seed=0):
@@ -153,9 +153,10 @@ def test_linear_hands_a_gpu_its_group_formats(monkeypatch):
 
     calls = []
 
-    def record(x, stack, layer, out_dtype=None, *, scale=None, minimum=None):
-        calls.append((x.shape[0], stack.shape, stack.dtype, minimum is not None))
-        return jnp.zeros((x.shape[0], stack.shape[1]), out_dtype or x.dtype)
+    def record(x, mats, layer, out_dtype=None):
+        for w in mats:
+            calls.append((x.shape[0], w["stack"].shape, w["stack"].dtype, "min" in w))
+        return [jnp.zeros((x.shape[0], w["stack"].shape[1]), out_dtype or x.dtype) for w in mats]
 
     _, w = _case(2, 64, 256, 1)
     int4 = quantize(np.asarray(w), QuantFormat(4, 32, has_min=True))
@@ -165,7 +166,7 @@ def test_linear_hands_a_gpu_its_group_formats(monkeypatch):
     plan = {"layers.wq": QuantFormat(4, 32, has_min=True)}
     assert not holds_packed(jnp.bfloat16, plan, sharded=False)  # this CPU, bfloat16: no kernel
     monkeypatch.setattr(quantized_linear.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(pallas_gpu_matmul, "stacked_matmul", record)
+    monkeypatch.setattr(pallas_gpu_matmul, "stacked_matmuls", record)
     assert holds_packed(jnp.bfloat16, plan, sharded=False)
     assert not holds_packed(jnp.bfloat16, plan, sharded=True)  # a mesh: XLA's products
     assert not holds_packed(jnp.bfloat16, {"w": QuantFormat(8, 0, activations=8)}, sharded=False)
@@ -181,3 +182,37 @@ def test_linear_hands_a_gpu_its_group_formats(monkeypatch):
     assert calls == []
     linear(two, stacked(per_channel, jnp.int32(1)))
     assert calls == [(2, (2, 64, 256), jnp.int8, False)]
+
+
+@pytest.mark.parametrize("rows,kind", [(1, "int4"), (3, "int4"), (5, "float"), (2, "q8_0")])
+def test_a_layers_matrices_in_one_call(rows, kind):
+    """q, k and v (their own numbers of channels) in one kernel, the grid their blocks side
+    by side: each the product of its own matrix; `linears` hands them over in one call on a
+    GPU where they are alike."""
+    from ops.quantization import QuantFormat, dequantize, pack, quantize
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, 256)).astype(np.float32))
+    mats, wants = [], []
+    for out_f in (128, 64, 32):
+        w = rng.standard_normal((2, out_f, 256)).astype(np.float32)
+        if kind == "float":
+            mats.append({"stack": jnp.asarray(w)})
+            wants.append(np.asarray(x) @ w[1].T)
+            continue
+        fmt = QuantFormat(4, 32, has_min=True) if kind == "int4" else QuantFormat(8, 32)
+        parts = quantize(w, fmt)
+        q = pack(parts["q"], False) if kind == "int4" else parts["q"]
+        mat = {"stack": jnp.asarray(q), "scale": jnp.asarray(parts["scale"])}
+        if "min" in parts:
+            mat["min"] = jnp.asarray(parts["min"])
+        mats.append(mat)
+        wants.append(np.asarray(x) @ np.asarray(dequantize(
+            mat["stack"], mat["scale"], mat.get("min")))[1].T)
+    other = {"stack": jnp.zeros((2, 64, 256), jnp.bfloat16)}
+    assert alike(x, mats) and not alike(x, [mats[0], other])
+    got = stacked_matmuls(x, mats, jnp.int32(1))
+    for g, want in zip(got, wants, strict=True):
+        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-4)
+    fn = jax.jit(lambda x, mats: stacked_matmuls(x, mats, 1, interpret=False))
+    text = fn.trace(x.astype(jnp.bfloat16), mats).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
