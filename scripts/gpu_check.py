@@ -18,9 +18,9 @@ leaves no time for are reported as skipped):
    the compiled step copies or converts (0: read in place);
    bf16's decode traced (`--profile`: the device's busy time a step, its events, the host's).
 3. `python -m engine.bench.quantization`: float, int8 and int4 matmuls of the 8B MLP's shape at
-   1 and 64 rows, each layer's weights sliced as a scan does and at constant indices,
-   float, int8 and packed int4 weights through ops/pallas_gpu_matmul too (two block shapes
-   each), and whether XLA copied or converted a whole matrix.
+   1 and 64 rows, each layer's weights sliced as a scan does, XLA's multiply and sum over
+   packed int4, float, int8 and packed int4 weights through ops/pallas_gpu_matmul (int8 and
+   int4 in two block shapes), and whether XLA copied or converted a whole matrix.
 4. the 8B engine at batch 64 (the engine's default limits and layer loop), its decode traced.
 5. online: `python -m server --load-format dummy` on the 8B shape (config.json and a
    word-level tokenizer, random weights) with step 4's limits, so its executables come from
@@ -136,15 +136,16 @@ def main(argv=None) -> int:
                                       q or None, extra=() if q else profile(name), env=env))
 
     if wanted("quant_bench"):
-        # The layer loops, scanned (XLA:GPU copied each float layer's slice) and unrolled, and
-        # float, int8 and packed int4 weights through ops/pallas_gpu_matmul (the stack and
-        # the layer index), each in two block shapes. At one row `linear` runs float and
+        # The layer loop as the model runs it where XLA slices the stack (float: copied
+        # before the product), and float, int8 and packed int4 weights through
+        # ops/pallas_gpu_matmul (the stack and the layer index), int8 and int4 in two block
+        # shapes. At one row `linear` runs float and
         # per-channel int8 as a multiply and a sum on a GPU, int4 in the Pallas kernel
         # (`int4-reduce`: XLA's multiply and sum over the same packed bytes, its rival).
         cmd = [py, "-m", "engine.bench.quantization", "--output", str(out / "quant_bench.json"),
-               "--layouts", "stacked,unrolled", "--rows", "1,64", "--formats",
+               "--layouts", "stacked", "--rows", "1,64", "--formats",
                "float,int8,int4,int4-reduce,float-pallas,int8-pallas,int4-pallas,"
-               "float-pallas@32x512x0x4x3,int8-pallas@64x512x0x4x3,int4-pallas@64x512x0x8x3"]
+               "int8-pallas@64x512x0x8x3,int4-pallas@64x512x0x8x3"]
         steps.append(run_step("quant_bench", cmd + (["--smoke"] if smoke else []), out,
                               120 if smoke else 60))
         path = out / "quant_bench.json"
