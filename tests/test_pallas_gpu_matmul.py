@@ -149,11 +149,12 @@ def test_linear_hands_a_gpu_its_group_formats(monkeypatch):
     packed."""
     from ops import pallas_gpu_matmul, quantized_linear
     from ops.quantization import QuantFormat, pack, quantize
-    from ops.quantized_linear import holds_packed, linear, stacked
+    from ops.quantized_linear import holds_packed, linear, linears, stacked
 
-    calls = []
+    calls, sizes = [], []
 
     def record(x, mats, layer, out_dtype=None):
+        sizes.append(len(mats))
         for w in mats:
             calls.append((x.shape[0], w["stack"].shape, w["stack"].dtype, "min" in w))
         return [jnp.zeros((x.shape[0], w["stack"].shape[1]), out_dtype or x.dtype) for w in mats]
@@ -182,6 +183,13 @@ def test_linear_hands_a_gpu_its_group_formats(monkeypatch):
     assert calls == []
     linear(two, stacked(per_channel, jnp.int32(1)))
     assert calls == [(2, (2, 64, 256), jnp.int8, False)]
+    # a layer's matrices of one kind (q, k and v) in one call; unlike ones one call each
+    calls.clear(), sizes.clear()
+    layer = jnp.int32(1)
+    linears(one, [stacked(int4, layer)] * 3)
+    assert sizes == [3]
+    linears(two, [stacked(int4, layer), stacked(per_channel, layer)])
+    assert sizes == [3, 1, 1]
 
 
 @pytest.mark.parametrize("rows,kind", [(1, "int4"), (3, "int4"), (5, "float"), (2, "q8_0")])
