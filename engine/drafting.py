@@ -21,6 +21,7 @@ from engine.speculative import (
     StepCosts,
     accepted_length,
     drafts_that_pay,
+    may_match,
     propose,
 )
 
@@ -63,8 +64,20 @@ class Drafting:
             return False
         others = len(running) - 1  # about what the other decodes bring
         room = min(spec.num_speculative_tokens, self.config.max_num_batched_tokens - others - 1)
-        return any(self.may_draft(s) and self.pays(s, others, others, room) > 0
-                   for s in running)
+        return any(self.may_draft(s) and self.may_propose(s)
+                   and self.pays(s, others, others, room) > 0 for s in running)
+
+    def may_propose(self, seq: Sequence) -> bool:
+        """Whether `seq`'s next step may find drafts: always for a draft model; for prompt
+        lookup, whether its known tokens leave a match possible (`may_match`), so that a
+        sequence in text that repeats nothing keeps its overlapped steps."""
+        spec = self.config.speculative
+        if spec.method == "draft_model":
+            return True
+        known = seq.token_ids[:len(seq.token_ids) - seq.num_pending]
+        if seq.num_pending:
+            return may_match(known, spec.prompt_lookup_min)
+        return bool(propose(known, 1, spec.prompt_lookup_max, spec.prompt_lookup_min))
 
     def draft(self, entry: ScheduledSeq, room: int, tokens: int, gain: float) -> None:
         """Append up to `room` proposed tokens to a decode's chunk, as many as pay (`pays`),

@@ -26,7 +26,9 @@ what steps of each token bucket took (`StepCosts`: timed at warmup on padding, t
 that ran, from the previous step's result to its own, so the host's share, the overlap a
 drafting step gives up (the proposer needs the last token) and the sequences' context are
 all in it). A sequence whose drafts found nothing or lost every token waits a while before
-it drafts again, and the scheduler drafts only while the batch is small (`max_seqs`).
+it drafts again, and the scheduler drafts only while the batch is small (`max_seqs`). A
+drafting step gives up the overlap with the step before it, so prompt lookup is tried only
+where a match can follow the token in flight (`may_match`, checked while it is sampled).
 """
 
 from __future__ import annotations
@@ -48,13 +50,18 @@ class SpeculativeConfig:
     # draft_model: a smaller model of the target's vocabulary (a path or a known model's
     # name; engine/draft_model.py). Given alone, it sets the method, as in vLLM.
     model: str | None = None
-    prompt_lookup_max: int = 4        # longest suffix looked up in the sequence so far
-    prompt_lookup_min: int = 1        # shortest
+    # Longest and shortest suffix looked up in the sequence so far. Drafts after a suffix of
+    # 3 or more are kept more often (docs/serving.md); unset, the shortest is
+    # min(3, prompt_lookup_max).
+    prompt_lookup_max: int = 8
+    prompt_lookup_min: int | None = None
     # Sequences in a step up to which drafting runs (a larger batch is compute-bound already
     # and keeps its overlapped steps); None: max_num_seqs // (k + 1).
     max_seqs: int | None = None
 
     def __post_init__(self):
+        if self.prompt_lookup_min is None:
+            object.__setattr__(self, "prompt_lookup_min", min(3, self.prompt_lookup_max))
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, got "
                              f"{self.method!r}")
@@ -119,6 +126,22 @@ def propose(token_ids: list[int] | np.ndarray, k: int, lookup_max: int,
             start = int(hits[-1]) + n  # the token after the latest occurrence
             return ids[start:start + k].tolist()
     return []
+
+
+def may_match(token_ids: list[int] | np.ndarray, lookup_min: int) -> bool:
+    """Whether prompt lookup can find a match once the token after `token_ids` is known (the
+    one a step in flight samples): a suffix of at least `lookup_min` tokens ending with it
+    occurs earlier only if the last lookup_min - 1 tokens of `token_ids` occur earlier with a
+    token after them. Checked while that step runs, so that a sequence outside any repeated
+    text keeps its steps overlapped instead of waiting for a token to look up nothing."""
+    n = lookup_min - 1
+    ids = np.asarray(token_ids, np.int64)
+    if n <= 0:
+        return len(ids) > 0
+    if len(ids) <= n:
+        return False
+    windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
+    return bool((windows == ids[-n:]).all(axis=1).any())
 
 
 def kept_average(acceptance: float, rate: float, proposed: int, accepted: int) -> float:

@@ -138,8 +138,8 @@ def parser() -> argparse.ArgumentParser:
                         "slower: see docs/serving.md)")
     p.add_argument("--speculative-config", metavar="JSON", default=None,
                    help='speculative decoding, vLLM\'s keys: prompt lookup \'{"method": '
-                        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                        '"prompt_lookup_min": 1}\' or a draft model of the same vocabulary '
+                        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 8, '
+                        '"prompt_lookup_min": 3}\' or a draft model of the same vocabulary '
                         '\'{"model": PATH_OR_NAME, "num_speculative_tokens": 4}\' (off by '
                         'default; drafts only while a step has few sequences; docs/serving.md)')
     p.add_argument("--task", choices=TASKS, default="auto",

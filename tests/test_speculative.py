@@ -24,6 +24,7 @@ from engine.speculative import (
     StepCosts,
     accepted_length,
     choose_drafts,
+    may_match,
     propose,
 )
 
@@ -62,6 +63,16 @@ def test_prompt_lookup_is_its_definition(ids, k, lookup_max, less):
         ids, k, lookup_max, lookup_min)
 
 
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 6), st.integers(0, 5))
+def test_a_match_is_possible_exactly_when_some_next_token_finds_one(ids, lookup_max, less):
+    """may_match, checked while the step that samples the next token runs: true exactly
+    when some next token gives prompt lookup a match."""
+    lookup_min = max(1, lookup_max - less)
+    some = any(propose(ids + [x], 1, lookup_max, lookup_min) for x in range(5))
+    assert may_match(ids, lookup_min) == some
+
+
 def test_the_flag_takes_vllms_keys_and_refuses_the_rest_clearly():
     cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, '
                                   '"prompt_lookup_max": 5, "prompt_lookup_min": 2}')
@@ -79,6 +90,10 @@ def test_the_flag_takes_vllms_keys_and_refuses_the_rest_clearly():
                        ('{"method": "draft_model"}', "a draft model is")]:
         with pytest.raises(ValueError, match=words):
             SpeculativeConfig.parse(bad)
+    plain = SpeculativeConfig.parse('{"method": "ngram"}')  # suffixes of 3 to 8 tokens
+    assert (plain.prompt_lookup_max, plain.prompt_lookup_min) == (8, 3)
+    short = SpeculativeConfig.parse('{"method": "ngram", "prompt_lookup_max": 2}')
+    assert (short.prompt_lookup_max, short.prompt_lookup_min) == (2, 2)
     draft = SpeculativeConfig.parse('{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 3}')
     assert (draft.method, draft.model, draft.num_speculative_tokens) == (
         "draft_model", "qwen2.5-coder-0.5b", 3)
@@ -197,6 +212,42 @@ def test_stops_inside_the_kept_drafts_end_the_sequence_there():
         assert got == want and stats.num_accepted_tokens > 0, params
     got, _, _, _ = _run(NGRAM, ignore_eos=False)
     assert all(reason == "stop" and tokens[-1] == EOS for tokens, reason in got.values())
+
+
+def test_text_that_repeats_nothing_keeps_its_steps_overlapped():
+    """Prompt lookup with suffixes of 3 or more: while a sequence's tokens hold no repeated
+    pair, no match can follow, so its steps stay overlapped (the engine never waits for a
+    token to look up nothing); once its text repeats it drafts, and its tokens are the same."""
+    cfg = EngineConfig(model="fake", max_model_len=128, max_num_seqs=4,
+                       max_num_batched_tokens=32, block_size=4, num_blocks=64,
+                       speculative={"method": "ngram", "num_speculative_tokens": 4})
+    tokenizer = types.SimpleNamespace(eos_token_ids=frozenset({EOS}), vocab_size=10**6)
+    outs = {}
+    for spec in (None, cfg.speculative):
+        eng = LLMEngine(dataclasses.replace(cfg, speculative=spec), runner=FakeRunner(modulus=40),
+                        tokenizer=tokenizer, detokenize=False)
+        drafting = eng.scheduler.drafting
+        drafting.step_costs = EqualCosts()
+        asked = []  # (outputs so far, whether the step may draft)
+        may_speculate = eng.scheduler.may_speculate
+
+        def spy(may_speculate=may_speculate, eng=eng, asked=asked):
+            seqs = eng.scheduler.running
+            asked.append((seqs[0].num_output_tokens if seqs else -1, may_speculate()))
+            return asked[-1][1]
+
+        eng.scheduler.may_speculate = spy
+        req = eng.add_request([3], SamplingParams(max_tokens=70, temperature=0, ignore_eos=True))
+        out = None
+        while eng.has_unfinished():
+            for o in eng.step():
+                out = accumulate(out, o)
+        outs[spec is None] = out.outputs[0].token_ids
+        if spec is not None:  # 4, 5, ..., 39, 0, 1, 2, 3, 4: the first repeated pair at 38
+            assert not any(may for n, may in asked if 0 <= n < 37), req
+            assert any(may for n, may in asked if n >= 38)
+            assert drafting.stats.num_accepted_tokens > 0
+    assert outs[True] == outs[False] == [(3 + i) % 40 for i in range(1, 71)]
 
 
 def test_a_large_batch_does_not_draft():
