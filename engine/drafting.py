@@ -36,6 +36,10 @@ class Drafting:
         self.drafters: dict[int, Drafter] = {}  # seq_id -> its drafting state
         self.stats = SpecDecodeStats()
         self.step_costs = StepCosts()
+        # seq_id -> (its length, the proposal for it): `may_propose`'s lookup on a sequence
+        # with no token in flight, which `draft` takes in the same step instead of looking
+        # up again (cleared each step: a sequence cut back may regrow to the same length)
+        self._proposed: dict[int, tuple[int, list[int]]] = {}
 
     def may_draft(self, seq: Sequence) -> bool:
         """Whether a decoding sequence drafts now: not under penalties (their counts are per
@@ -59,6 +63,7 @@ class Drafting:
         """Whether the next step of `running` may draft (the engine then reads the step in
         flight first, as drafts continue from the last token): only while the batch is small,
         and some decode would draft by the cost model."""
+        self._proposed.clear()
         spec = self.config.speculative  # None: no drafting
         if spec is None or not 0 < len(running) <= spec.seq_limit(self.config.max_num_seqs):
             return False
@@ -74,10 +79,22 @@ class Drafting:
         spec = self.config.speculative
         if spec.method == "draft_model":
             return True
-        known = seq.token_ids[:len(seq.token_ids) - seq.num_pending]
         if seq.num_pending:
-            return may_match(known, spec.prompt_lookup_min)
-        return bool(propose(known, 1, spec.prompt_lookup_max, spec.prompt_lookup_min))
+            return may_match(seq.token_ids[:len(seq.token_ids) - seq.num_pending],
+                             spec.prompt_lookup_min)
+        return bool(self._propose(seq))
+
+    def _propose(self, seq: Sequence) -> list[int]:
+        """Prompt lookup's num_speculative_tokens drafts for `seq` as it is (no token in
+        flight), looked up once however often asked at this length."""
+        cached = self._proposed.get(seq.seq_id)
+        if cached is not None and cached[0] == seq.num_tokens:
+            return cached[1]
+        spec = self.config.speculative
+        drafts = propose(seq.token_ids, spec.num_speculative_tokens, spec.prompt_lookup_max,
+                         spec.prompt_lookup_min)
+        self._proposed[seq.seq_id] = (seq.num_tokens, drafts)
+        return drafts
 
     def draft(self, entry: ScheduledSeq, room: int, tokens: int, gain: float) -> None:
         """Append up to `room` proposed tokens to a decode's chunk, as many as pay (`pays`),
@@ -95,7 +112,7 @@ class Drafting:
         if spec.method == "draft_model":  # drawn once the step is booked (engine/draft_model.py)
             drafts = [TO_DRAW] * room
         else:
-            drafts = propose(seq.token_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min)
+            drafts = self._propose(seq)[:room]  # (the lookup's match does not depend on k)
         if not drafts:
             drafter.record(seq.num_output_tokens, 0, 0)
             return

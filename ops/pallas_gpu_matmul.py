@@ -87,7 +87,7 @@ def block_sizes(out_f: int, in_f: int, rows: int = 2, group: int = 0,
     return block_n, block_k, _splits(out_f // block_n, in_f // block_k)
 
 
-def group_of(stack: jax.Array, scale: jax.Array | None, in_f: int) -> int:
+def group_of(scale: jax.Array | None, in_f: int) -> int:
     """Inputs a scale covers in a group format (0: a float stack or per-channel scales)."""
     if scale is None or scale.shape[-1] == 1:
         return 0
@@ -114,7 +114,7 @@ def fits(x: jax.Array, stack: jax.Array, scale: jax.Array | None = None,
         return False
     if minimum is not None and minimum.shape != scale.shape:
         return False
-    group = group_of(stack, scale, in_f)
+    group = group_of(scale, in_f)
     if not group:  # per channel: int8, no minimums
         return (not packed and minimum is None
                 and block_sizes(stack.shape[1], in_f, rows) is not None)
@@ -236,7 +236,7 @@ def _kind(x: jax.Array, w: dict) -> tuple:
     """What must be alike for products in one call: the values' dtype and shape past the
     channels, the group, whether there are scales and minimums."""
     stack, scale = w["stack"], w.get("scale")
-    return (stack.dtype, stack.shape[0], stack.shape[2], group_of(stack, scale, x.shape[1]),
+    return (stack.dtype, stack.shape[0], stack.shape[2], group_of(scale, x.shape[1]),
             scale is None, w.get("min") is None)
 
 
@@ -265,7 +265,7 @@ def stacked_matmuls(x: jax.Array, mats: list[dict], layer, out_dtype=None, *,
     rows, in_f = x.shape
     first = mats[0]["stack"]
     packed = first.dtype == jnp.uint8
-    group = group_of(first, mats[0].get("scale"), in_f)
+    group = group_of(mats[0].get("scale"), in_f)
     out_fs = [w["stack"].shape[1] for w in mats]
     guesses = [block_sizes(o, in_f, rows, group, packed) for o in out_fs]
     block_n = block_n or min(g[0] for g in guesses)

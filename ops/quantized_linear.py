@@ -157,10 +157,8 @@ def _kernel_operands(x: jax.Array, w: dict) -> tuple[dict, object] | None:
         return None
     if (x.shape[0] == 1 and not group) or not pallas_gpu_matmul.fits(x, stack, scale, minimum):
         return None
-    mat = {"stack": stack}
-    mat.update({} if scale is None else {"scale": scale})
-    mat.update({} if minimum is None else {"min": minimum})
-    return mat, layer
+    mat = {"stack": stack, "scale": scale, "min": minimum}
+    return {k: v for k, v in mat.items() if v is not None}, layer
 
 
 def _stacked_kernel(x: jax.Array, w: dict, out_dtype) -> jax.Array | None:

@@ -139,9 +139,9 @@ def main(argv=None) -> int:
         # The layer loop as the model runs it where XLA slices the stack (float: copied
         # before the product), and float, int8 and packed int4 weights through
         # ops/pallas_gpu_matmul (the stack and the layer index), int8 and int4 in two block
-        # shapes. At one row `linear` runs float and
-        # per-channel int8 as a multiply and a sum on a GPU, int4 in the Pallas kernel
-        # (`int4-reduce`: XLA's multiply and sum over the same packed bytes, its rival).
+        # shapes. At one row `linear` runs float and per-channel int8 as a multiply and a
+        # sum on a GPU, int4 in the Pallas kernel (`int4-reduce`: XLA's multiply and sum
+        # over the same packed bytes, its rival).
         cmd = [py, "-m", "engine.bench.quantization", "--output", str(out / "quant_bench.json"),
                "--layouts", "stacked", "--rows", "1,64", "--formats",
                "float,int8,int4,int4-reduce,float-pallas,int8-pallas,int4-pallas,"
