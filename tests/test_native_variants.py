@@ -174,7 +174,7 @@ def qmatmul_outputs(run):
     at once (tiles of 4, 4, 4, 1) and for rows 0-4 and 5 alone."""
     results = {}
     for i, (fmt, cols) in enumerate(QCASES):
-        mats = [_matrix(fmt, 200, cols, seed=10 * i), _matrix(fmt, 72, cols, seed=10 * i + 1)]
+        mats = [_matrix(fmt, 200, cols, seed=10 * i), _matrix(fmt, 73, cols, seed=10 * i + 1)]
         x = np.random.default_rng(i).standard_normal((13, cols)).astype(np.float32)
         want = [x.astype(np.float64) @ m[2].T for m in mats]
         got = {}

@@ -126,7 +126,9 @@ inline const uint8_t* PackedRowStart(const Problem& p, int64_t o, float* sc, flo
 // (64 byte pairs a DotNibblesSigned), exact. The bytes are laid out as a packed block's
 // nibbles are: per quad of 4 blocks, 64 bytes for the values at the low nibbles' places (each
 // block's inputs 0-15), 64 for those at the high ones' (16-31); high bytes first, then middle,
-// then low.
+// then low. Each whole group of 16 blocks (4 quads) is then held as `PackedTile` reads its
+// weights there: transposed (TransposeQuads), quad slot k holding part k (inputs 4k .. 4k + 3,
+// and 16 on) of the 16 blocks, a block a 32-bit lane.
 //
 // Why integers for every row count: each output is then the same operations, in the same
 // order, for a row whatever else the call holds (a lone decode, 64 of them, a prompt's
@@ -136,9 +138,11 @@ inline const uint8_t* PackedRowStart(const Problem& p, int64_t o, float* sc, flo
 constexpr int kDigits = 3;
 
 struct Prepared {
-  int64_t Q = 0, Bp = 0;          // quads of blocks in a row; blocks rounded up to 16
+  int64_t Q = 0, Bp = 0, NG = 0;  // quads of blocks in a row; blocks rounded up to 16; whole
+                                  // groups of 16 blocks
   std::vector<Bytes64> digits;    // [T, Q, 2 * kDigits]
   std::vector<Bytes64> scale;     // [T, Q]: 16 floats, lanes 4k .. 4k + 3 hold block k's s
+  std::vector<float> block_scale; // [T, Bp]: each block's s
   std::vector<float> sums;        // [T, Bp]: each block's sum of x as rounded (for the minimums)
 };
 
@@ -147,8 +151,10 @@ void Prepare(const float* x, int64_t T, int64_t I, Prepared* out) {
   const float top = 8388607.0f;  // 2^23 - 1
   out->Q = Q;
   out->Bp = Bp;
+  out->NG = B / 16;
   out->digits.assign(T * Q * 2 * kDigits, Bytes64{});
   out->scale.assign(T * Q, Bytes64{});
+  out->block_scale.assign(T * Bp, 0.0f);
   out->sums.assign(T * Bp, 0.0f);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t b = 0; b < B; ++b) {
@@ -173,60 +179,124 @@ void Prepare(const float* x, int64_t T, int64_t I, Prepared* out) {
       }
       float* sc = reinterpret_cast<float*>(out->scale[t * Q + qd].b) + 4 * k;
       sc[0] = sc[1] = sc[2] = sc[3] = s;
+      out->block_scale[t * Bp + b] = s;
+    }
+    for (int64_t g = 0; g < out->NG; ++g) {  // whole groups: transposed in place
+      Bytes64* d = &out->digits[(t * Q + 4 * g) * 2 * kDigits];
+      for (int j = 0; j < 2 * kDigits; ++j) {
+        Bytes quads[4], parts[4];
+        for (int q = 0; q < 4; ++q) quads[q] = LoadB(d[2 * kDigits * q + j].b);
+        TransposeQuads(quads, parts);
+        for (int k = 0; k < 4; ++k) StoreB(d[2 * kDigits * k + j].b, parts[k]);
+      }
     }
   }
 }
 
 // Output rows [r0, r1) for N rows of x starting at row t0 (as `p.prep` holds them), from packed
-// 4-bit values. A quad of blocks is one 64-byte load, its nibbles (0-15) split once for the N
-// rows; times each row's three bytes they are six integer dot products into 32-bit lanes (8
-// inputs of one block each), an exact integer sum, then a float times the block's weight scale
-// and x's; each block's minimum times its sum of x is added at the end. Every row's output is
-// the same sequence of operations whatever N is (see `Prepare`). The result differs from the
-// float product only by x's rounding to 24 bits per block, as float32's own at the block's
-// largest value.
-template <int N>
-void PackedTile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
+// 4-bit values, C output rows at a time (simd.h's kColumns: they share the loads of x).
+//
+// A whole group of 16 blocks (4 quads, 256 bytes of a row) is loaded and transposed
+// (TransposeQuads: a block a 32-bit lane), its nibbles split once for the N rows; for each row
+// and each of x's three bytes, 8 integer dot products sum a block's 32 products in its lane,
+// exact: h (the high bytes', |h| <= 32 * 15 * 128) and m, l (<= 32 * 15 * 255). Then per
+// block one float, 65536 * h + 256 * m + l rounded once (256 * h + m is exact in float32, as
+// is l), times the block's weight scale and x's, added to the block's lane. The blocks after
+// the last whole group (at most 15) go a quad at a time: per 32-bit lane (8 inputs of one
+// block) 65536 * high + 256 * middle + low in integers, exact (|high| <= 8 * 15 * 128: below
+// 2^31), then a float times the scales. Each block's minimum times its sum of x is added at
+// the end, and the 16 lanes are summed. Every row's output is the same sequence of operations
+// whatever N and C are (see `Prepare`); it differs from the float product by x's rounding to
+// 24 bits per block, as float32's own at the block's largest value, and one rounding a block
+// (a lane of a quad) where the float product rounds at each of its 32 (8).
+template <int N, int C>
+void PackedColumns(const Problem& p, int64_t t0, int64_t o, float (*sc)[kMaxGroups],
+                   float (*mn)[kMaxGroups], float (*bs)[kMaxGroups], float (*bm)[kMaxGroups]) {
   const Prepared& x = *p.prep;
-  const int64_t G = p.m.G, B = p.I / 32, Q = x.Q, Bp = x.Bp;
+  const int64_t B = p.I / 32, Q = x.Q, Bp = x.Bp;
   const int shift = p.shift;  // block b's group is b >> shift
   const int64_t last = B % 4 ? 16 * (B % 4) : 64;  // the last quad's bytes
-  // Per block: its scale and minimum, 0 past the last block (they meet zero digits and sums).
-  alignas(64) float sc[kMaxGroups], mn[kMaxGroups], bs[kMaxGroups], bm[kMaxGroups];
-  for (int64_t b = G; b < Bp; ++b) sc[b] = mn[b] = 0.0f;  // rows write [0, G) of these
-  for (int64_t b = B; b < Bp; ++b) bs[b] = bm[b] = 0.0f;  // and [0, B) of these
-  const float* block_scale = shift ? bs : sc;
-  const float* block_min = shift ? bm : mn;
+  const uint8_t* qo[C];
+  const float* block_scale[C];
+  const float* block_min[C];
+  for (int c = 0; c < C; ++c) {
+    qo[c] = PackedRowStart(p, o + c, sc[c], mn[c]);
+    if (shift) {
+      for (int64_t b = 0; b < B; ++b) bs[c][b] = sc[c][b >> shift], bm[c][b] = mn[c][b >> shift];
+    }
+    block_scale[c] = shift ? bs[c] : sc[c];
+    block_min[c] = shift ? bm[c] : mn[c];
+  }
+  Floats acc[C][N];
+  for (int c = 0; c < C; ++c)
+    for (int t = 0; t < N; ++t) acc[c][t] = Zero();
+  for (int64_t g = 0; g < x.NG; ++g) {
+    Bytes lo[C][4], hi[C][4];
+    Floats ws[C];
+    for (int c = 0; c < C; ++c) {
+      Bytes quads[4], parts[4];
+      for (int q = 0; q < 4; ++q) quads[q] = LoadB(qo[c] + 256 * g + 64 * q);
+      TransposeQuads(quads, parts);
+      for (int k = 0; k < 4; ++k) lo[c][k] = LowNibbles(parts[k]), hi[c][k] = HighNibbles(parts[k]);
+      ws[c] = Load(block_scale[c] + 16 * g);
+    }
+    for (int t = 0; t < N; ++t) {
+      const Bytes64* d = &x.digits[((t0 + t) * Q + 4 * g) * 2 * kDigits];
+      Ints h[C], m[C], l[C];
+      for (int c = 0; c < C; ++c) h[c] = m[c] = l[c] = ZeroI();
+      for (int k = 0; k < 4; ++k, d += 2 * kDigits) {
+        Bytes d0 = LoadB(d[0].b), d1 = LoadB(d[1].b);
+        for (int c = 0; c < C; ++c) h[c] = DotNibblesSigned2(h[c], lo[c][k], d0, hi[c][k], d1);
+        d0 = LoadB(d[2].b), d1 = LoadB(d[3].b);
+        for (int c = 0; c < C; ++c) m[c] = DotUnsignedNibbles2(m[c], d0, lo[c][k], d1, hi[c][k]);
+        d0 = LoadB(d[4].b), d1 = LoadB(d[5].b);
+        for (int c = 0; c < C; ++c) l[c] = DotUnsignedNibbles2(l[c], d0, lo[c][k], d1, hi[c][k]);
+      }
+      const Floats xs = Load(&x.block_scale[(t0 + t) * Bp + 16 * g]);
+      for (int c = 0; c < C; ++c) {
+        const Floats v = Fma(ToFloat(AddI(ShiftLeft(h[c], 8), m[c])), Set(256.0f), ToFloat(l[c]));
+        acc[c][t] = Fma(v, Mul(ws[c], xs), acc[c][t]);
+      }
+    }
+  }
   const Bytes64* digits = &x.digits[t0 * Q * 2 * kDigits];
   const Bytes64* xscale = &x.scale[t0 * Q];
-  for (int64_t o = r0; o < r1; ++o) {
-    const uint8_t* qo = PackedRowStart(p, o, sc, mn);
-    if (shift) {
-      for (int64_t b = 0; b < B; ++b) bs[b] = sc[b >> shift], bm[b] = mn[b >> shift];
-    }
-    Floats acc[N];
-    for (int t = 0; t < N; ++t) acc[t] = Zero();
-    for (int64_t qd = 0; qd < Q; ++qd) {
-      const Bytes v = qd + 1 < Q ? LoadB(qo + 64 * qd) : LoadB(qo + 64 * qd, last);
+  for (int c = 0; c < C; ++c) {
+    for (int64_t qd = 4 * x.NG; qd < Q; ++qd) {
+      const Bytes v = qd + 1 < Q ? LoadB(qo[c] + 64 * qd) : LoadB(qo[c] + 64 * qd, last);
       const Bytes lo = LowNibbles(v), hi = HighNibbles(v);
-      const Floats ws = Repeat4(block_scale + 4 * qd);
+      const Floats ws = Repeat4(block_scale[c] + 4 * qd);
       for (int t = 0; t < N; ++t) {
-        // Per 32-bit lane: |high| <= 8 * 15 * 128, so 65536 * high + 256 * middle + low, exact,
-        // stays below 2^31.
         const Bytes64* d = digits + (t * Q + qd) * 2 * kDigits;
         const Floats sum = ToFloat(DotDigits(lo, hi, LoadB(d[0].b), LoadB(d[1].b),
                                              LoadB(d[2].b), LoadB(d[3].b), LoadB(d[4].b),
                                              LoadB(d[5].b)));
         const Floats xs = Load(reinterpret_cast<const float*>(xscale[t * Q + qd].b));
-        acc[t] = Fma(sum, Mul(ws, xs), acc[t]);
+        acc[c][t] = Fma(sum, Mul(ws, xs), acc[c][t]);
       }
     }
     for (int t = 0; t < N; ++t) {
       const float* sums = &x.sums[(t0 + t) * Bp];
-      for (int64_t b = 0; b < Bp; b += 16) acc[t] = Fma(Load(block_min + b), Load(sums + b), acc[t]);
-      p.m.y[(t0 + t) * p.m.O + o] = ReduceAdd(acc[t]);
+      for (int64_t b = 0; b < Bp; b += 16)
+        acc[c][t] = Fma(Load(block_min[c] + b), Load(sums + b), acc[c][t]);
+      p.m.y[(t0 + t) * p.m.O + o + c] = ReduceAdd(acc[c][t]);
     }
   }
+}
+
+template <int N>
+void PackedTile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
+  const int64_t G = p.m.G, B = p.I / 32, Bp = p.prep->Bp;
+  // Per block: its scale and minimum, 0 past the last block (they meet zero digits and sums).
+  alignas(64) float sc[kColumns][kMaxGroups], mn[kColumns][kMaxGroups];
+  alignas(64) float bs[kColumns][kMaxGroups], bm[kColumns][kMaxGroups];
+  for (int c = 0; c < kColumns; ++c) {
+    for (int64_t b = G; b < Bp; ++b) sc[c][b] = mn[c][b] = 0.0f;  // rows write [0, G) of these
+    for (int64_t b = B; b < Bp; ++b) bs[c][b] = bm[c][b] = 0.0f;  // and [0, B) of these
+  }
+  int64_t o = r0;
+  for (; o + kColumns <= r1; o += kColumns) PackedColumns<N, kColumns>(p, t0, o, sc, mn, bs, bm);
+  for (; o < r1; ++o) PackedColumns<N, 1>(p, t0, o, sc, mn, bs, bm);
 }
 
 // Output rows [r0, r1) for N rows of x starting at row t0, from one value per int8.

@@ -163,6 +163,24 @@ inline void StoreBytes(void* p, Ints a, int shift) {
 }
 
 inline Bytes LoadB(const void* p) { return {_mm512_loadu_si512(p)}; }
+inline void StoreB(void* p, Bytes a) { _mm512_storeu_si512(p, a.v); }
+// Four quads of blocks (in[q] lane 4b + k: block 4q + b's bytes 4k .. 4k + 3) as the 4-byte
+// parts of 16 blocks (out[k] lane l: block l's bytes 4k .. 4k + 3), by two rounds of
+// two-source permutes.
+inline void TransposeQuads(const Bytes in[4], Bytes out[4]) {
+  const __m512i k01 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const __m512i k23 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512i a01 = _mm512_permutex2var_epi32(in[0].v, k01, in[1].v);  // blocks 0-7, parts 0, 1
+  const __m512i a23 = _mm512_permutex2var_epi32(in[0].v, k23, in[1].v);
+  const __m512i b01 = _mm512_permutex2var_epi32(in[2].v, k01, in[3].v);  // blocks 8-15
+  const __m512i b23 = _mm512_permutex2var_epi32(in[2].v, k23, in[3].v);
+  out[0].v = _mm512_permutex2var_epi32(a01, even, b01);
+  out[1].v = _mm512_permutex2var_epi32(a01, odd, b01);
+  out[2].v = _mm512_permutex2var_epi32(a23, even, b23);
+  out[3].v = _mm512_permutex2var_epi32(a23, odd, b23);
+}
 inline Bytes LoadB(const void* p, int64_t n) {  // n <= 64 bytes, zeros after
   return {_mm512_maskz_loadu_epi8(n < 64 ? (1ULL << n) - 1 : ~0ULL, p)};
 }
@@ -182,6 +200,8 @@ inline __m512i Dot(__m512i acc, __m512i u, __m512i s) {
 // Nibbles (0-15) times signed bytes, and unsigned bytes times nibbles, summed by 4 into acc.
 inline Ints DotNibblesSigned(Ints acc, Bytes nibbles, Bytes s) { return {Dot(acc.v, nibbles.v, s.v)}; }
 inline Ints DotUnsignedNibbles(Ints acc, Bytes u, Bytes nibbles) { return {Dot(acc.v, u.v, nibbles.v)}; }
+// Output rows the packed kernel's groups read x's digits once for (32 vector registers).
+constexpr int kColumns = 2;
 
 inline void Prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 inline void Pause() { _mm_pause(); }
@@ -314,6 +334,26 @@ inline Bytes LoadB(const void* p) {
   const __m256i* q = static_cast<const __m256i*>(p);
   return {_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)};
 }
+inline void StoreB(void* p, Bytes a) {
+  __m256i* q = static_cast<__m256i*>(p);
+  _mm256_storeu_si256(q, a.lo), _mm256_storeu_si256(q + 1, a.hi);
+}
+// 8 blocks of 4 parts (y[j]: blocks 2j, 2j + 1) -> part k of each, in block order (out[k]).
+inline void TransposeHalf(__m256i y0, __m256i y1, __m256i y2, __m256i y3, __m256i out[4]) {
+  const __m256i a0 = _mm256_unpacklo_epi32(y0, y1), a1 = _mm256_unpackhi_epi32(y0, y1);
+  const __m256i a2 = _mm256_unpacklo_epi32(y2, y3), a3 = _mm256_unpackhi_epi32(y2, y3);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // blocks 0 2 4 6 1 3 5 7
+  out[0] = _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi64(a0, a2), order);
+  out[1] = _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi64(a0, a2), order);
+  out[2] = _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi64(a1, a3), order);
+  out[3] = _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi64(a1, a3), order);
+}
+inline void TransposeQuads(const Bytes in[4], Bytes out[4]) {  // see the AVX-512 target's
+  __m256i lo[4], hi[4];
+  TransposeHalf(in[0].lo, in[0].hi, in[1].lo, in[1].hi, lo);
+  TransposeHalf(in[2].lo, in[2].hi, in[3].lo, in[3].hi, hi);
+  for (int k = 0; k < 4; ++k) out[k] = {lo[k], hi[k]};
+}
 inline Bytes LoadB(const void* p, int64_t n) {  // n <= 64, a multiple of 4: zeros after
   const __m256i lane = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
   const __m256i lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)), lane);
@@ -342,6 +382,7 @@ inline Ints DotNibblesSigned(Ints acc, Bytes nibbles, Bytes s) {
 inline Ints DotUnsignedNibbles(Ints acc, Bytes u, Bytes nibbles) {
   return {Dot8(acc.lo, u.lo, nibbles.lo), Dot8(acc.hi, u.hi, nibbles.hi)};
 }
+constexpr int kColumns = 1;  // 16 vector registers: one output row's nibbles fill them
 #if !defined(__AVXVNNI__)
 // `DotDigits` without VNNI, where each 8-bit dot product is a maddubs (16-bit sums of pairs)
 // and a madd to widen them, both multiplies, the scarce ones: each digit's two dot products
@@ -353,6 +394,19 @@ inline __m256i Pairs16(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
       _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)),
       _mm256_set1_epi16(1));
 }
+// Two dot products into acc, their pairs' products summed in 16 bits and widened once (a
+// 16-bit lane holds at most 2 * 2 * 255 * 15, as below).
+inline Ints DotPairs16(Ints acc, Bytes u0, Bytes s0, Bytes u1, Bytes s1) {
+  return {_mm256_add_epi32(acc.lo, Pairs16(u0.lo, s0.lo, u1.lo, s1.lo)),
+          _mm256_add_epi32(acc.hi, Pairs16(u0.hi, s0.hi, u1.hi, s1.hi))};
+}
+inline Ints DotNibblesSigned2(Ints acc, Bytes n0, Bytes s0, Bytes n1, Bytes s1) {
+  return DotPairs16(acc, n0, s0, n1, s1);
+}
+inline Ints DotUnsignedNibbles2(Ints acc, Bytes u0, Bytes n0, Bytes u1, Bytes n1) {
+  return DotPairs16(acc, u0, n0, u1, n1);
+}
+#define XLASERVE_DOT_PAIRS
 inline __m256i DotDigits8(__m256i lo, __m256i hi, __m256i h0, __m256i h1, __m256i m0,
                           __m256i m1, __m256i l0, __m256i l1) {
   const __m256i h = Pairs16(lo, h0, hi, h1), m = Pairs16(m0, lo, m1, hi);
@@ -532,6 +586,24 @@ inline Bytes LoadB(const void* p) {
   const uint8_t* b = static_cast<const uint8_t*>(p);
   return {{vld1q_u8(b), vld1q_u8(b + 16), vld1q_u8(b + 32), vld1q_u8(b + 48)}};
 }
+inline void StoreB(void* p, Bytes a) {
+  uint8_t* b = static_cast<uint8_t*>(p);
+  for (int k = 0; k < 4; ++k) vst1q_u8(b + 16 * k, a.q[k]);
+}
+// A register is one block's 4 parts here: each quad's 4 registers transposed 4 x 4 are part
+// k of its 4 blocks (see the AVX-512 target's).
+inline void TransposeQuads(const Bytes in[4], Bytes out[4]) {
+  for (int j = 0; j < 4; ++j) {
+    const uint32x4x2_t a = vtrnq_u32(vreinterpretq_u32_u8(in[j].q[0]), vreinterpretq_u32_u8(in[j].q[1]));
+    const uint32x4x2_t b = vtrnq_u32(vreinterpretq_u32_u8(in[j].q[2]), vreinterpretq_u32_u8(in[j].q[3]));
+    const uint64x2_t a0 = vreinterpretq_u64_u32(a.val[0]), a1 = vreinterpretq_u64_u32(a.val[1]);
+    const uint64x2_t b0 = vreinterpretq_u64_u32(b.val[0]), b1 = vreinterpretq_u64_u32(b.val[1]);
+    out[0].q[j] = vreinterpretq_u8_u64(vzip1q_u64(a0, b0));
+    out[1].q[j] = vreinterpretq_u8_u64(vzip1q_u64(a1, b1));
+    out[2].q[j] = vreinterpretq_u8_u64(vzip2q_u64(a0, b0));
+    out[3].q[j] = vreinterpretq_u8_u64(vzip2q_u64(a1, b1));
+  }
+}
 inline Bytes LoadB(const void* p, int64_t n) {
   alignas(64) uint8_t tmp[64] = {};
   std::memcpy(tmp, p, n);
@@ -693,6 +765,11 @@ inline Bytes LoadB(const void* p, int64_t n) {
   std::memcpy(r.b, p, n);
   return r;
 }
+inline void StoreB(void* p, Bytes a) { std::memcpy(p, a.b, 64); }
+inline void TransposeQuads(const Bytes in[4], Bytes out[4]) {  // see the AVX-512 target's
+  for (int k = 0; k < 4; ++k)
+    for (int l = 0; l < 16; ++l) std::memcpy(out[k].b + 4 * l, in[l / 4].b + 16 * (l % 4) + 4 * k, 4);
+}
 inline Bytes LowNibbles(Bytes a) {
   for (int k = 0; k < 64; ++k) a.b[k] &= 0x0F;
   return a;
@@ -715,6 +792,20 @@ inline Ints DotUnsignedNibbles(Ints acc, Bytes u, Bytes nibbles) { return DotUS(
 inline void Prefetch(const void* p) { __builtin_prefetch(p); }
 inline void Pause() {}
 
+#endif
+
+#if defined(XLASERVE_NEON) || !(defined(XLASERVE_AVX512) || defined(XLASERVE_AVX2))
+constexpr int kColumns = 1;
+#endif
+#if !defined(XLASERVE_DOT_PAIRS)
+// Two of the dot products above into acc: nibbles n0 and n1 times signed bytes, or unsigned
+// bytes times them (exact, so the same bits however a target sums them).
+inline Ints DotNibblesSigned2(Ints acc, Bytes n0, Bytes s0, Bytes n1, Bytes s1) {
+  return DotNibblesSigned(DotNibblesSigned(acc, n0, s0), n1, s1);
+}
+inline Ints DotUnsignedNibbles2(Ints acc, Bytes u0, Bytes n0, Bytes u1, Bytes n1) {
+  return DotUnsignedNibbles(DotUnsignedNibbles(acc, u0, n0), u1, n1);
+}
 #endif
 
 #if !defined(XLASERVE_DOT_DIGITS)
