@@ -202,6 +202,21 @@ inline Ints DotNibblesSigned(Ints acc, Bytes nibbles, Bytes s) { return {Dot(acc
 inline Ints DotUnsignedNibbles(Ints acc, Bytes u, Bytes nibbles) { return {Dot(acc.v, u.v, nibbles.v)}; }
 // Output rows the packed kernel's groups read x's digits once for (32 vector registers).
 constexpr int kColumns = 2;
+#if !defined(__AVX512VNNI__)
+// Two dot products into acc without VNNI: their pairs' products summed in 16 bits and widened
+// once (a 16-bit lane holds at most 2 * 2 * 255 * 15: one of each pair is nibbles).
+inline Ints DotPairs16(Ints acc, Bytes u0, Bytes s0, Bytes u1, Bytes s1) {
+  const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(u0.v, s0.v), _mm512_maddubs_epi16(u1.v, s1.v));
+  return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))};
+}
+inline Ints DotNibblesSigned2(Ints acc, Bytes n0, Bytes s0, Bytes n1, Bytes s1) {
+  return DotPairs16(acc, n0, s0, n1, s1);
+}
+inline Ints DotUnsignedNibbles2(Ints acc, Bytes u0, Bytes n0, Bytes u1, Bytes n1) {
+  return DotPairs16(acc, u0, n0, u1, n1);
+}
+#define XLASERVE_DOT_PAIRS
+#endif
 
 inline void Prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 inline void Pause() { _mm_pause(); }
