@@ -209,9 +209,13 @@ void Prepare(const float* x, int64_t T, int64_t I, Prepared* out) {
 // whatever N and C are (see `Prepare`); it differs from the float product by x's rounding to
 // 24 bits per block, as float32's own at the block's largest value, and one rounding a block
 // (a lane of a quad) where the float product rounds at each of its 32 (8).
+//
+// Inlined into `PackedTile`: a call per output row cost a lone decode's products 6% on AVX2
+// (a first-generation EPYC; docs/performance-log.md, "The 4-bit kernel's groups on AVX2").
 template <int N, int C>
-void PackedColumns(const Problem& p, int64_t t0, int64_t o, float (*sc)[kMaxGroups],
-                   float (*mn)[kMaxGroups], float (*bs)[kMaxGroups], float (*bm)[kMaxGroups]) {
+__attribute__((always_inline)) inline void PackedColumns(
+    const Problem& p, int64_t t0, int64_t o, float (*sc)[kMaxGroups], float (*mn)[kMaxGroups],
+    float (*bs)[kMaxGroups], float (*bm)[kMaxGroups]) {
   const Prepared& x = *p.prep;
   const int64_t B = p.I / 32, Q = x.Q, Bp = x.Bp;
   const int shift = p.shift;  // block b's group is b >> shift
