@@ -18,6 +18,7 @@ LAYER_LOOPS = ("auto", "scan", "unroll", "scan-pallas")
 # The --cpu-kernels choices: ops.native.CHOICES (held equal by a test).
 CPU_KERNELS = ("auto", "avx512", "avx2", "neon", "portable", "none")
 CPU_MATMUL_DTYPES = ("float32", "bfloat16")  # ops.quantized_linear.WIDE_DTYPES
+CPU_ACTIVATION_DTYPES = ("float32", "int8")  # ops.quantized_linear.X_BITS's keys
 # The --task and --pooling choices (EngineConfig.task, .pooling; models.pooling's modes).
 TASKS = ("auto", "generate", "embed")
 POOLING_TYPES = ("auto", "mean", "cls", "last")
@@ -115,6 +116,12 @@ class EngineConfig:
     # several times faster prompts where the CPU has AMX, but a greedy request's tokens then
     # depend on what shares its steps) or float32.
     cpu_matmul_dtype: str = "float32"
+    # The precision x keeps in our CPU kernel's products with 4-bit weights (a few rows: lone
+    # decodes, drafting steps): "float32" (24-bit integers per block of 32, float32's own
+    # precision) or "int8" (8 bits per block of 32, as llama.cpp's Q8 activations: a third of
+    # the dot products, for CPUs whose lone decode is bound by them, such as AVX2 without
+    # VNNI; ops.quantized_linear.X_BITS).
+    cpu_activation_dtype: str = "float32"
     # "dummy": random weights of the model's shapes instead of its files (benchmarks).
     load_format: str = "auto"
     # Speculative decoding by prompt lookup (engine/speculative.py); None: off.
@@ -155,6 +162,10 @@ class EngineConfig:
         if self.cpu_matmul_dtype not in CPU_MATMUL_DTYPES:
             raise ValueError(f"cpu_matmul_dtype must be one of {', '.join(CPU_MATMUL_DTYPES)}, "
                              f"got {self.cpu_matmul_dtype!r}")
+        if self.cpu_activation_dtype not in CPU_ACTIVATION_DTYPES:
+            raise ValueError(f"cpu_activation_dtype must be one of "
+                             f"{', '.join(CPU_ACTIVATION_DTYPES)}, "
+                             f"got {self.cpu_activation_dtype!r}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, "
                              f"got {self.layer_loop!r}")

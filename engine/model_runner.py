@@ -130,7 +130,8 @@ class ModelRunner(StepTable):
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         set_run_options(model, layer_loop=config.layer_loop,
                         batch_invariant=config.batch_invariant,
-                        cpu_matmul_dtype=config.cpu_matmul_dtype)
+                        cpu_matmul_dtype=config.cpu_matmul_dtype,
+                        cpu_activation_dtype=config.cpu_activation_dtype)
         self.graphdef, self.state = nnx.split(model)
         # Steps take the parameters as a flat list: a list flattens in the dispatcher's C++,
         # an nnx.State through Python callbacks, per leaf, at every call.

@@ -165,11 +165,12 @@ class Llama(nnx.Module):
         # How it runs, as models.run_options.set_run_options sets it for whoever runs it:
         # the layers unrolled, or looped with float and per-channel int8 matrices handed
         # whole to ops/pallas_gpu_matmul; batch-invariant rows; the dtype of XLA's many-row
-        # products (None: the model's).
+        # products (None: the model's); the bits x keeps in ops/native's 4-bit products.
         self.unroll_layers = False
         self.stacked_kernel = False
         self.batch_invariant = False
         self.wide_dtype = None
+        self.x_bits = 24
         params = {name: nnx.Param(init_param(spec, rngs.params(), dtype))
                   for name, spec in self.param_specs(cfg, quant).items()}
         self.top_names = tuple(n for n in params if not n.startswith("layers."))
@@ -327,7 +328,7 @@ class Llama(nnx.Module):
         """How this model's matmuls run (ops.quantized_linear.linear's keyword arguments)."""
         return dict(chunked=self.mesh is None, int8_activations=self.int8_activations,
                     native=self.native_matmuls, any_rows=self.batch_invariant,
-                    wide_dtype=self.wide_dtype)
+                    wide_dtype=self.wide_dtype, x_bits=self.x_bits)
 
     # ---- the head ----------------------------------------------------------------------
 

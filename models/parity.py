@@ -14,14 +14,15 @@ tokens differ we look at the reference's logits there: a divergence is accepted
 only when our token is the reference's runner-up and its top-2 gap is below 1e-3
 (a near-tie that float rounding can flip). Exit code 0 only if every prompt passes.
 
---quantization int8|int4|w8a8, --kv-cache-dtype or --dtype: such a model cannot match
-token for token, so we measure how close it comes. The reference decodes greedily; our
-model is teacher-forced on the prompt plus the reference's tokens (the prompt in one pass,
-then each token decoded alone, as the server decodes: a quantized model's products run
-where a decode runs them, the CPU kernel included) and we report, per prompt and on
-average, the top-1 agreement (fraction of positions where our argmax is the reference's
-token) and the mean KL(ref || ours) of the next-token distributions, then one line
-`PARITY {json}` for scripts. Exit code 1 if the mean agreement is below --min-agreement.
+--quantization int8|int4|w8a8, --kv-cache-dtype, --dtype or --cpu-activation-dtype int8:
+such a model cannot match token for token, so we measure how close it comes. The reference
+decodes greedily; our model is teacher-forced on the prompt plus the reference's tokens (the
+prompt in one pass, then each token decoded alone, as the server decodes: a quantized
+model's products run where a decode runs them, the CPU kernel included) and we report, per
+prompt and on average, the top-1 agreement (fraction of positions where our argmax is the
+reference's token) and the mean KL(ref || ours) of the next-token distributions, then one
+line `PARITY {json}` for scripts. Exit code 1 if the mean agreement is below
+--min-agreement.
 
 --save-reference FILE writes the reference's greedy token ids per prompt (JSON, no
 logits) and stops; --reference FILE reads them instead of running transformers, so a
@@ -50,7 +51,7 @@ from models.loader import load_model, model_format
 from models.run_options import LAYER_LOOPS, set_run_options
 from models.tokenizer import Tokenizer
 from ops.quantization import SCHEMES
-from ops.quantized_linear import WIDE_DTYPES
+from ops.quantized_linear import WIDE_DTYPES, X_BITS
 
 GAP_TOLERANCE = 1e-3
 
@@ -307,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpu-matmul-dtype", choices=WIDE_DTYPES, default="float32",
                         help="the dtype products of more than 8 rows (the prompt's) multiply "
                              "in on a CPU, as the server's flag")
+    parser.add_argument("--cpu-activation-dtype", choices=tuple(X_BITS), default="float32",
+                        help="the precision x keeps in the CPU kernel's 4-bit products, as the "
+                             "server's flag (int8: measured by agreement, as --quantization)")
     parser.add_argument("--save-reference", metavar="FILE",
                         help="write the reference's greedy token ids per prompt to FILE "
                              "(JSON) and stop, without loading our model")
@@ -321,9 +325,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
         parser.error("--max-tokens must be at least 1")
-    measured = any(v is not None for v in (args.quantization, args.kv_cache_dtype, args.dtype))
+    measured = (any(v is not None for v in (args.quantization, args.kv_cache_dtype, args.dtype))
+                or args.cpu_activation_dtype != "float32")
     if args.min_agreement is not None and not measured:
-        parser.error("--min-agreement needs --quantization, --kv-cache-dtype or --dtype")
+        parser.error("--min-agreement needs --quantization, --kv-cache-dtype, --dtype or "
+                     "--cpu-activation-dtype int8")
     if args.reference and args.save_reference:
         parser.error("--reference and --save-reference exclude each other")
     if args.reference and not measured:
@@ -350,7 +356,8 @@ def main(argv=None) -> int:
     longest = max(len(p) for p in prompts) + args.max_tokens
     dtype = args.dtype or "float32"
     model = load_model(args.model, dtype=dtype, quantization=args.quantization or "none")
-    set_run_options(model, layer_loop=args.layer_loop, cpu_matmul_dtype=args.cpu_matmul_dtype)
+    set_run_options(model, layer_loop=args.layer_loop, cpu_matmul_dtype=args.cpu_matmul_dtype,
+                    cpu_activation_dtype=args.cpu_activation_dtype)
     decoder = GreedyDecoder(model, max_len=longest, kv_dtype=args.kv_cache_dtype)
     if args.reference:
         references = [(tokens, None) for tokens in saved]
@@ -362,6 +369,7 @@ def main(argv=None) -> int:
     settings = {"dtype": dtype, "quantization": args.quantization,
                 "kv_cache_dtype": args.kv_cache_dtype, "layer_loop": args.layer_loop,
                 "pallas_products": model.stacked_kernel,
+                "cpu_activation_dtype": args.cpu_activation_dtype,
                 "wide_dtype": None if model.wide_dtype is None else jax.numpy.dtype(
                     model.wide_dtype).name}
     return check_agreement(decoder, prompts, references, args.min_agreement, settings)

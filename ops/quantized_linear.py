@@ -7,7 +7,8 @@ of ops/quantization.py), in a form chosen per static shape from measurements on 
   custom call built on first use). It converts 8-bit values to float in registers and
   multiplies in float32; 4-bit values run as exact integer dot products with each block of
   32 inputs of a row held as 24-bit integers, float32's precision at the block's largest
-  value (weight-only: no 8-bit activation quantization); the output rows are split over
+  value (`x_bits` 24), or as 8-bit ones (`x_bits` 8, --cpu-activation-dtype int8: a third
+  of the dot products, llama.cpp's Q8 activations' precision); the output rows are split over
   XLA's intra-op threads. Each row's result is the same sequence of operations whatever the
   other rows are, so a row's numbers do not depend on its batch (XLA's dot gives no such
   promise; at many rows it is faster). XLA's own one-row product runs on one thread, and at
@@ -47,6 +48,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ops import native, pallas_gpu_matmul
 from ops.quantization import BLOCK, dequantize
@@ -57,11 +59,14 @@ NATIVE_MAX_ROWS = 8  # the most rows ops/native's kernel takes, unless `any_rows
 CHUNK_BYTES = 4 << 20
 W8A8_MIN_ROWS = 2  # an int8 x int8 product of one row runs padded to this many
 NATIVE_MAX_MATRICES = 4  # the most matrices one call of it multiplies the same rows by
+# --cpu-activation-dtype: the bits each input of x keeps in ops/native's products with packed
+# 4-bit weights (per block of 32, scaled to the block's largest |x|)
+X_BITS = {"float32": 24, "int8": 8}
 
 
 def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
            int8_activations: bool = False, native: bool = False,
-           any_rows: bool = False, wide_dtype=None) -> jax.Array:
+           any_rows: bool = False, wide_dtype=None, x_bits: int = 24) -> jax.Array:
     """x [T, I] @ w [O, I]^T -> [T, O]. `w` is a float array or a dict {"q", "scale"[, "min"]}:
     one layer's slice of a quantized parameter, or the whole stack [L, O, I] with its
     "layer" index (`stacked`). `out_dtype`: accumulate and return in it (float32 logits
@@ -71,7 +76,8 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
     `native`: run xlaserve's CPU kernel where it serves (`native_fits`); `any_rows`: at any
     number of rows (--batch-invariant), not only up to NATIVE_MAX_ROWS. `wide_dtype`: the
     dtype XLA's products of more than NATIVE_MAX_ROWS rows multiply in (`wide_dtype`, the
-    function), summed in `out_dtype` or x's."""
+    function), summed in `out_dtype` or x's. `x_bits`: the bits x keeps per block of 32 in
+    ops/native's products with packed 4-bit values (X_BITS)."""
     out = out_dtype or x.dtype
     wide = wide_dtype if wide_dtype is not None and x.shape[0] > NATIVE_MAX_ROWS else None
     dot = functools.partial(_dot_t, out_dtype=out)
@@ -80,7 +86,7 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
         if y is not None:
             return y
     if native and native_fits(x, w, any_rows):
-        y = native_linear(x, w)
+        y = native_linear(x, w, x_bits)
         return y if out_dtype is None else y.astype(out_dtype)
     if isinstance(w, dict) and "layer" in w:
         w = {k: jax.lax.dynamic_index_in_dim(a, w["layer"], 0, False)
@@ -292,14 +298,17 @@ def native_fits(x: jax.Array, w, any_rows: bool = False) -> bool:
             and q.ndim == (3 if "layer" in w else 2) and native.available("qmatmul"))
 
 
-def native_linear(x: jax.Array, w: dict) -> jax.Array:
+def native_linear(x: jax.Array, w: dict, x_bits: int = 24) -> jax.Array:
     """x [T, I] float32 @ w^T -> [T, O] float32 through ops/native/qmatmul.cc."""
-    return native_linears(x, [w])[0]
+    return native_linears(x, [w], x_bits)[0]
 
 
-def native_linears(x: jax.Array, ws: list[dict]) -> list[jax.Array]:
+def native_linears(x: jax.Array, ws: list[dict], x_bits: int = 24) -> list[jax.Array]:
     """x times each of up to 4 matrices (one layer index for all), in one call of
-    ops/native/qmatmul.cc: their rows are split over the threads together."""
+    ops/native/qmatmul.cc: their rows are split over the threads together. `x_bits` (24 or
+    8): the bits x keeps per block of 32 where a matrix is packed 4-bit (X_BITS)."""
+    if x_bits not in X_BITS.values():
+        raise ValueError(f"x_bits must be 24 or 8, got {x_bits!r}")
     layer = ws[0].get("layer")
     if any(w.get("layer") is not layer for w in ws):
         raise ValueError("matrices in one native call share one layer index")
@@ -312,7 +321,8 @@ def native_linears(x: jax.Array, ws: list[dict]) -> list[jax.Array]:
         operands += [q, scale, jnp.zeros((0,), jnp.float16) if minimum is None else minimum]
     call = jax.ffi.ffi_call(native.QMATMUL, [
         jax.ShapeDtypeStruct((x.shape[0], w["q"].shape[-2]), jnp.float32) for w in ws])
-    return list(call(x, jnp.asarray(0 if layer is None else layer, jnp.int32), *operands))
+    return list(call(x, jnp.asarray(0 if layer is None else layer, jnp.int32), *operands,
+                     x_bits=np.int32(x_bits)))
 
 
 def linears(x: jax.Array, ws: list, *, native: bool = False, **kwargs) -> list[jax.Array]:
@@ -322,7 +332,7 @@ def linears(x: jax.Array, ws: list, *, native: bool = False, **kwargs) -> list[j
     any_rows = kwargs.get("any_rows", False)
     if (native and 1 < len(ws) <= NATIVE_MAX_MATRICES
             and all(native_fits(x, w, any_rows) for w in ws)):
-        return native_linears(x, ws)
+        return native_linears(x, ws, kwargs.get("x_bits", 24))
     if not native and not kwargs.get("int8_activations") and len(ws) > 1:
         # one ops/pallas_gpu_matmul kernel for all where it takes each, alike, of one layer
         found = [_kernel_operands(x, w) if isinstance(w, dict) else None for w in ws]

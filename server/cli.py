@@ -17,6 +17,7 @@ import sys
 
 from engine import sessions, tool_loop
 from engine.config import (
+    CPU_ACTIVATION_DTYPES,
     CPU_KERNELS,
     CPU_MATMUL_DTYPES,
     KV_CACHE_DTYPES,
@@ -132,6 +133,11 @@ def parser() -> argparse.ArgumentParser:
                         "prompt's chunks, batches) multiply in on a CPU, summed in float32: "
                         "bfloat16 makes prompts several times faster where the CPU has AMX, "
                         "but greedy outputs then depend on what shares a request's steps")
+    p.add_argument("--cpu-activation-dtype", choices=CPU_ACTIVATION_DTYPES, default="float32",
+                   help="the precision x keeps in the CPU kernel's products with 4-bit "
+                        "weights (a few rows: decodes, drafting steps): float32, or int8 per "
+                        "block of 32 as llama.cpp's Q8 (a third of the multiplies: faster on "
+                        "CPUs without VNNI; other numerics, see docs/serving.md)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's numbers do not depend on what shares its steps, so a "
                         "seeded request samples the same tokens alone or under load (CPU; "
@@ -291,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             max_waiting_requests=args.max_waiting_requests, seed=args.seed,
             async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant,
             cpu_kernels=args.cpu_kernels, cpu_matmul_dtype=args.cpu_matmul_dtype,
+            cpu_activation_dtype=args.cpu_activation_dtype,
             speculative=args.speculative_config,
             layer_loop=args.layer_loop, load_format=args.load_format, task=args.task,
             pooling=args.pooling, normalize=args.normalize,

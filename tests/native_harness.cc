@@ -4,7 +4,7 @@
 // for each variant (and for AArch64, run under qemu-aarch64), reads one problem on stdin and
 // writes the kernel's outputs to stdout, in the machine's byte order.
 //
-//   qmatmul:   int64 T, I, n, threads; per matrix int64 packed, has_min, O, G; float32
+//   qmatmul:   int64 T, I, n, threads, x_bits (24 or 8); per matrix int64 packed, has_min, O, G; float32
 //              x[T, I]; per matrix its values (int8 [O, I] or uint8 [O, I / 2]), float16
 //              scales [O, G] and, with has_min, minimums [O, G]  ->  per matrix float32 y[T, O]
 //   attention: int64 T, H, D, Hkv, S, L, P, page, max_pages, layer, dtype (0 float32,
@@ -47,7 +47,7 @@ void Write(const std::vector<T>& v) {
 auto Inline = [](std::function<void()> task) { task(); };
 
 int QMatmul() {
-  const int64_t T = Int(), I = Int(), n = Int(), threads = Int();
+  const int64_t T = Int(), I = Int(), n = Int(), threads = Int(), x_bits = Int();
   struct Shape { int64_t packed, has_min, O, G; };
   std::vector<Shape> shapes;
   for (int64_t m = 0; m < n; ++m) shapes.push_back({Int(), Int(), Int(), Int()});
@@ -70,7 +70,8 @@ int QMatmul() {
     matrices.push_back({values[m].data(), shapes[m].packed != 0, scales[m].data(),
                         shapes[m].has_min ? minimums[m].data() : nullptr, ys[m].data(),
                         shapes[m].O, shapes[m].G});
-  xlaserve::qmatmul::Compute(x.data(), T, I, matrices.data(), n, threads, Inline);
+  xlaserve::qmatmul::Compute(x.data(), T, I, matrices.data(), n, static_cast<int>(x_bits), threads,
+                             Inline);
   for (const auto& y : ys) Write(y);
   return 0;
 }

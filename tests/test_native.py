@@ -127,6 +127,67 @@ def test_one_call_multiplies_the_same_rows_by_several_matrices():
 
 
 @needs_kernels
+def test_x_in_8_bits_reaches_the_kernel():
+    """x_bits 8 (--cpu-activation-dtype int8): packed 4-bit products take each block of 32 of
+    x rounded to 8 bits, for one matrix and for several in one call; 8-bit values (read as
+    floats) do not change; a row's product does not depend on the other rows; other widths
+    are refused."""
+    packed = _stack(FORMATS["Q4_1"], 200, 608, packed=True, seed=8)
+    values = _stack(FORMATS["Q4_1"], 200, 608, seed=8)  # the same values, one per int8
+    q8 = _stack(FORMATS["Q8_0"], 40, 608, seed=9)
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((5, 608)).astype(np.float32)
+    blocks = x.reshape(5, -1, 32)
+    top = np.abs(blocks).max(axis=2, keepdims=True)
+    held = (np.clip(np.rint(blocks * (np.float32(127) / top)), -127, 127)
+            * (top / np.float32(127))).reshape(5, 608)
+    layer = 1
+    one = jax.tree.map(lambda a: a[layer], values)
+    want = np.asarray(linear(jnp.asarray(held, jnp.float32), one)).astype(np.float64)
+    exact = np.asarray(linear(jnp.asarray(x), one))
+    run = jax.jit(lambda x, ws, bits: linears(x, [stacked(w, layer) for w in ws], native=True,
+                                              x_bits=bits), static_argnums=2)
+    got8, q8_8 = (np.asarray(y) for y in run(jnp.asarray(x), [packed, q8], 8))
+    got24, q8_24 = (np.asarray(y) for y in run(jnp.asarray(x), [packed, q8], 24))
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got8, want, rtol=0, atol=2e-6 * scale)
+    np.testing.assert_allclose(got24, exact, rtol=0, atol=2e-6 * scale)
+    assert 1e-4 * scale < np.abs(got8 - got24).max() < 2e-2 * scale
+    np.testing.assert_array_equal(q8_8, q8_24)
+    alone = jax.jit(lambda x: linear(x, stacked(packed, layer), native=True, x_bits=8))
+    for t in range(5):
+        np.testing.assert_array_equal(np.asarray(alone(jnp.asarray(x[t:t + 1])))[0], got8[t])
+    with pytest.raises(ValueError, match="x_bits"):
+        native_linears(jnp.asarray(x), [stacked(packed, layer)], x_bits=16)
+
+
+@needs_kernels
+def test_cpu_activation_dtype_int8_decodes_a_model(tmp_path):
+    """set_run_options' cpu_activation_dtype "int8" (EngineConfig.cpu_activation_dtype):
+    a 4-bit model's decode logits move by Q8's rounding and no more; "float32" is the
+    default; other names are refused."""
+    from models.run_options import set_run_options
+
+    path = save_tiny_hf(tmp_path, family="llama")
+    int8 = load_model(path, dtype="float32", quantization="int4")
+    full = load_model(path, dtype="float32", quantization="int4")
+    set_run_options(int8, cpu_activation_dtype="int8")
+    set_run_options(full)
+    assert (int8.x_bits, full.x_bits) == (8, 24)
+    prompt = [5, 17, 3, 99, 42, 7, 150, 23]
+    # the prompt's rows (padded past the kernel's few) run XLA's product in either; the
+    # first decode after the same first token runs the kernel
+    tokens8, logits8 = GreedyDecoder(int8, max_len=64).generate(prompt, 2)
+    tokens24, logits24 = GreedyDecoder(full, max_len=64).generate(prompt, 2)
+    assert tokens8[0] == tokens24[0]
+    np.testing.assert_array_equal(logits8[0], logits24[0])
+    diff = np.abs(np.asarray(logits8[1]) - np.asarray(logits24[1])).max()
+    assert 0 < diff < 0.05 * np.abs(logits24[1]).max()
+    with pytest.raises(ValueError, match="activation dtype"):
+        set_run_options(full, cpu_activation_dtype="int4")
+
+
+@needs_kernels
 def test_what_the_kernel_refuses_goes_to_xla():
     stack = _stack(FORMATS["Q4_1"], 64, 256)
     rng = np.random.default_rng(2)

@@ -246,6 +246,12 @@ def test_wide_dtype_is_bfloat16_only_when_asked_for_a_float32_model():
     assert CPU_MATMUL_DTYPES == quantized_linear.WIDE_DTYPES
     with pytest.raises(ValueError, match="cpu_matmul_dtype"):
         EngineConfig(model="m", cpu_matmul_dtype="float16")
+    # --cpu-activation-dtype: the engine's names are the kernel's widths' names
+    from engine.config import CPU_ACTIVATION_DTYPES
+    assert CPU_ACTIVATION_DTYPES == tuple(quantized_linear.X_BITS)
+    assert EngineConfig(model="m").cpu_activation_dtype == "float32"
+    with pytest.raises(ValueError, match="cpu_activation_dtype"):
+        EngineConfig(model="m", cpu_activation_dtype="int4")
 
 
 @pytest.mark.parametrize("fmt,storage", [

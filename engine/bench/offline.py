@@ -49,7 +49,13 @@ from engine.bench import paired
 from engine.bench.ceilings import dense_seconds, measure_ceilings, read_bandwidth, weight_copies
 from engine.bench.simulated import SimulatedRunner
 from engine.bench.timings import latency_stats, run, summarize
-from engine.config import CPU_KERNELS, CPU_MATMUL_DTYPES, LAYER_LOOPS, EngineConfig
+from engine.config import (
+    CPU_ACTIVATION_DTYPES,
+    CPU_KERNELS,
+    CPU_MATMUL_DTYPES,
+    LAYER_LOOPS,
+    EngineConfig,
+)
 from engine.device import size_kv
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
@@ -77,6 +83,7 @@ def build_engine(args, num_models: int = 1) -> LLMEngine:
                   tensor_parallel_size=args.tensor_parallel_size,
                   async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant,
                   cpu_kernels=args.cpu_kernels, cpu_matmul_dtype=args.cpu_matmul_dtype,
+                  cpu_activation_dtype=args.cpu_activation_dtype,
                   layer_loop=args.layer_loop, speculative=args.speculative_config)
     if args.random_weights:
         from models.loader import resolve_dtype
@@ -222,6 +229,9 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-matmul-dtype", choices=CPU_MATMUL_DTYPES, default="float32",
                    help="the dtype products of more than 8 rows multiply in on a CPU "
                         "(EngineConfig.cpu_matmul_dtype)")
+    p.add_argument("--cpu-activation-dtype", choices=CPU_ACTIVATION_DTYPES, default="float32",
+                   help="x's precision in the CPU kernel's 4-bit products "
+                        "(EngineConfig.cpu_activation_dtype)")
     p.add_argument("--layer-loop", choices=LAYER_LOOPS, default="auto",
                    help="auto, scan, unroll or scan-pallas (EngineConfig.layer_loop)")
     p.add_argument("--simulate-device-ms", type=float, default=None,

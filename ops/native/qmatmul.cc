@@ -24,9 +24,10 @@
 // 8-bit values become float weights in registers and are multiplied with x in float32, and
 // 4-bit values run as exact integer dot products with x in 24-bit integers per block of 32
 // (`Prepare`, `PackedTile`: VNNI's dot products, or their exact equivalents), up to 4 rows
-// at once. For any number of rows, each output is the same operations in the same order, so
-// a row's result never depends on the other rows of its step. Neither quantizes activations
-// the way llama.cpp does (8 bits). Rows are read ahead with software prefetches (a token's
+// at once; on request (the x_bits attribute 8, --cpu-activation-dtype int8) x in 8 bits per
+// block instead, the way llama.cpp quantizes activations. For any number of rows, each
+// output is the same operations in the same order, so a row's result never depends on the
+// other rows of its step. Rows are read ahead with software prefetches (a token's
 // weights come from memory), and the output rows are split over XLA's intra-op thread pool,
 // whose threads read memory in parallel (`Compute` says how).
 #include <algorithm>
@@ -96,7 +97,7 @@ struct Problem {
   const float* x;         // [T, I]
   Matrix m;
   const float* xsum;      // [T, G]: each group's sum of x (one value per int8 with minimums)
-  const Prepared* prep;   // packed: x's rows as integer digits
+  const Prepared* prep;   // packed: x's rows as integers of bytes
   int64_t T, I;
   int shift;              // packed: log2 of the blocks of 32 per scale group
 };
@@ -119,40 +120,44 @@ inline const uint8_t* PackedRowStart(const Problem& p, int64_t o, float* sc, flo
 }
 
 // x's rows as the packed kernel reads them (`Prepare`, once a call, shared by its matrices).
-// Each block of 32 inputs of a row is held as 24-bit integers, round(x / s) with s = the
-// block's largest |x| / (2^23 - 1) (float32's precision at the block's largest value), split
-// into three bytes, a signed high one and two unsigned ones (x = s * (65536 * high + 256 *
-// middle + low)), so that the products with 4-bit values run as integer dot products
-// (64 byte pairs a DotNibblesSigned), exact. The bytes are laid out as a packed block's
-// nibbles are: per quad of 4 blocks, 64 bytes for the values at the low nibbles' places (each
-// block's inputs 0-15), 64 for those at the high ones' (16-31); high bytes first, then middle,
-// then low. Each whole group of 16 blocks (4 quads) is then held as `PackedTile` reads its
-// weights there: transposed (TransposeQuads), quad slot k holding part k (inputs 4k .. 4k + 3,
-// and 16 on) of the 16 blocks, a block a 32-bit lane.
+// Each block of 32 inputs of a row is held as integers of `bits` bits, round(x / s) with s =
+// the block's largest |x| / (2^(bits - 1) - 1), split into bytes: 24 bits (the default) as
+// three, a signed high one and two unsigned ones (x = s * (65536 * high + 256 * middle +
+// low)), float32's precision at the block's largest value; 8 bits (--cpu-activation-dtype
+// int8) as one signed byte, as llama.cpp's Q8 activations are. The products with 4-bit values
+// then run as integer dot products (64 byte pairs a DotNibblesSigned), exact. The bytes are
+// laid out as a packed block's nibbles are: per quad of 4 blocks, 64 bytes for the values at
+// the low nibbles' places (each block's inputs 0-15), 64 for those at the high ones' (16-31);
+// high bytes first, then middle, then low. Each whole group of 16 blocks (4 quads) is then
+// held as `PackedTile` reads its weights there: transposed (TransposeQuads), quad slot k
+// holding part k (inputs 4k .. 4k + 3, and 16 on) of the 16 blocks, a block a 32-bit lane.
 //
 // Why integers for every row count: each output is then the same operations, in the same
 // order, for a row whatever else the call holds (a lone decode, 64 of them, a prompt's
 // chunk), so a seeded request samples the same tokens alone or under load. (Sixteen bits,
 // two dot products fewer, made the default model's logits differ from the float product
-// by 4 parts in 10,000 of their range; 24 bits keep float32's own error.)
-constexpr int kDigits = 3;
-
+// by 4 parts in 10,000 of their range; 24 bits keep float32's own error. 8 bits are a third
+// of the dot products, for CPUs whose lone decode is bound by them rather than by the read:
+// docs/performance-log.md, "8-bit activations for the 4-bit kernel".)
 struct Prepared {
+  int digits = 3;                 // bytes an input: 3 (24 bits) or 1 (8)
   int64_t Q = 0, Bp = 0, NG = 0;  // quads of blocks in a row; blocks rounded up to 16; whole
                                   // groups of 16 blocks
-  std::vector<Bytes64> digits;    // [T, Q, 2 * kDigits]
+  std::vector<Bytes64> bytes;     // [T, Q, 2 * digits]
   std::vector<Bytes64> scale;     // [T, Q]: 16 floats, lanes 4k .. 4k + 3 hold block k's s
   std::vector<float> block_scale; // [T, Bp]: each block's s
   std::vector<float> sums;        // [T, Bp]: each block's sum of x as rounded (for the minimums)
 };
 
-void Prepare(const float* x, int64_t T, int64_t I, Prepared* out) {
+void Prepare(const float* x, int64_t T, int64_t I, int bits, Prepared* out) {
   const int64_t B = I / 32, Q = (B + 3) / 4, Bp = (B + 15) / 16 * 16;
-  const float top = 8388607.0f;  // 2^23 - 1
+  const int D = out->digits = bits / 8;
+  const int32_t limit = (1 << (bits - 1)) - 1;  // 2^23 - 1 or 127
+  const float top = static_cast<float>(limit);
   out->Q = Q;
   out->Bp = Bp;
   out->NG = B / 16;
-  out->digits.assign(T * Q * 2 * kDigits, Bytes64{});
+  out->bytes.assign(T * Q * 2 * D, Bytes64{});
   out->scale.assign(T * Q, Bytes64{});
   out->block_scale.assign(T * Bp, 0.0f);
   out->sums.assign(T * Bp, 0.0f);
@@ -164,30 +169,30 @@ void Prepare(const float* x, int64_t T, int64_t I, Prepared* out) {
       const float s = m / top;
       const Floats inv = Set(m > 0 ? top / m : 0.0f);
       // Rounded to nearest, ties to even, and clamped: the largest |x| times inv can round
-      // up to 2^23, which the high byte cannot hold.
-      const Ints i0 = Clamp(RoundToInt(Mul(v0, inv)), -8388607, 8388607);
-      const Ints i1 = Clamp(RoundToInt(Mul(v1, inv)), -8388607, 8388607);
+      // up to 2^(bits - 1), which the high byte cannot hold.
+      const Ints i0 = Clamp(RoundToInt(Mul(v0, inv)), -limit, limit);
+      const Ints i1 = Clamp(RoundToInt(Mul(v1, inv)), -limit, limit);
       // The minimums multiply the sum of x as the dots see it: the rounding then errs by
       // sum(w * dx), as a float product would, not by sum(q * scale * dx).
       out->sums[t * Bp + b] = s * static_cast<float>(ReduceAddI(AddI(i0, i1)));
       const int64_t qd = b / 4, k = b % 4;
-      uint8_t* d = out->digits[(t * Q + qd) * 2 * kDigits].b + 16 * k;
-      for (int j = 0; j < kDigits; ++j) {  // the high byte first
-        const int bits = 8 * (kDigits - 1 - j);
-        StoreBytes(d + 128 * j, i0, bits);
-        StoreBytes(d + 128 * j + 64, i1, bits);
+      uint8_t* d = out->bytes[(t * Q + qd) * 2 * D].b + 16 * k;
+      for (int j = 0; j < D; ++j) {  // the high byte first
+        const int shift = 8 * (D - 1 - j);
+        StoreBytes(d + 128 * j, i0, shift);
+        StoreBytes(d + 128 * j + 64, i1, shift);
       }
       float* sc = reinterpret_cast<float*>(out->scale[t * Q + qd].b) + 4 * k;
       sc[0] = sc[1] = sc[2] = sc[3] = s;
       out->block_scale[t * Bp + b] = s;
     }
     for (int64_t g = 0; g < out->NG; ++g) {  // whole groups: transposed in place
-      Bytes64* d = &out->digits[(t * Q + 4 * g) * 2 * kDigits];
-      for (int j = 0; j < 2 * kDigits; ++j) {
+      Bytes64* d = &out->bytes[(t * Q + 4 * g) * 2 * D];
+      for (int j = 0; j < 2 * D; ++j) {
         Bytes quads[4], parts[4];
-        for (int q = 0; q < 4; ++q) quads[q] = LoadB(d[2 * kDigits * q + j].b);
+        for (int q = 0; q < 4; ++q) quads[q] = LoadB(d[2 * D * q + j].b);
         TransposeQuads(quads, parts);
-        for (int k = 0; k < 4; ++k) StoreB(d[2 * kDigits * k + j].b, parts[k]);
+        for (int k = 0; k < 4; ++k) StoreB(d[2 * D * k + j].b, parts[k]);
       }
     }
   }
@@ -198,21 +203,21 @@ void Prepare(const float* x, int64_t T, int64_t I, Prepared* out) {
 //
 // A whole group of 16 blocks (4 quads, 256 bytes of a row) is loaded and transposed
 // (TransposeQuads: a block a 32-bit lane), its nibbles split once for the N rows; for each row
-// and each of x's three bytes, 8 integer dot products sum a block's 32 products in its lane,
+// and each of x's D bytes, 8 integer dot products sum a block's 32 products in its lane,
 // exact: h (the high bytes', |h| <= 32 * 15 * 128) and m, l (<= 32 * 15 * 255). Then per
 // block one float, 65536 * h + 256 * m + l rounded once (256 * h + m is exact in float32, as
-// is l), times the block's weight scale and x's, added to the block's lane. The blocks after
-// the last whole group (at most 15) go a quad at a time: per 32-bit lane (8 inputs of one
-// block) 65536 * high + 256 * middle + low in integers, exact (|high| <= 8 * 15 * 128: below
-// 2^31), then a float times the scales. Each block's minimum times its sum of x is added at
+// is l; with one byte, h alone, exact), times the block's weight scale and x's, added to the
+// block's lane. The blocks after the last whole group (at most 15) go a quad at a time: per
+// 32-bit lane (8 inputs of one block) 65536 * high + 256 * middle + low in integers, exact
+// (|high| <= 8 * 15 * 128: below 2^31), then a float times the scales. Each block's minimum times its sum of x is added at
 // the end, and the 16 lanes are summed. Every row's output is the same sequence of operations
 // whatever N and C are (see `Prepare`); it differs from the float product by x's rounding to
-// 24 bits per block, as float32's own at the block's largest value, and one rounding a block
-// (a lane of a quad) where the float product rounds at each of its 32 (8).
+// D bytes per block (with 3, as float32's own at the block's largest value), and one rounding
+// a block (a lane of a quad) where the float product rounds at each of its 32 (8).
 //
 // Inlined into `PackedTile`: a call per output row cost a lone decode's products 6% on AVX2
 // (a first-generation EPYC; docs/performance-log.md, "The 4-bit kernel's groups on AVX2").
-template <int N, int C>
+template <int D, int N, int C>
 __attribute__((always_inline)) inline void PackedColumns(
     const Problem& p, int64_t t0, int64_t o, float (*sc)[kMaxGroups], float (*mn)[kMaxGroups],
     float (*bs)[kMaxGroups], float (*bm)[kMaxGroups]) {
@@ -245,25 +250,32 @@ __attribute__((always_inline)) inline void PackedColumns(
       ws[c] = Load(block_scale[c] + 16 * g);
     }
     for (int t = 0; t < N; ++t) {
-      const Bytes64* d = &x.digits[((t0 + t) * Q + 4 * g) * 2 * kDigits];
+      const Bytes64* d = &x.bytes[((t0 + t) * Q + 4 * g) * 2 * D];
       Ints h[C], m[C], l[C];
       for (int c = 0; c < C; ++c) h[c] = m[c] = l[c] = ZeroI();
-      for (int k = 0; k < 4; ++k, d += 2 * kDigits) {
+      for (int k = 0; k < 4; ++k, d += 2 * D) {
         Bytes d0 = LoadB(d[0].b), d1 = LoadB(d[1].b);
         for (int c = 0; c < C; ++c) h[c] = DotNibblesSigned2(h[c], lo[c][k], d0, hi[c][k], d1);
-        d0 = LoadB(d[2].b), d1 = LoadB(d[3].b);
-        for (int c = 0; c < C; ++c) m[c] = DotUnsignedNibbles2(m[c], d0, lo[c][k], d1, hi[c][k]);
-        d0 = LoadB(d[4].b), d1 = LoadB(d[5].b);
-        for (int c = 0; c < C; ++c) l[c] = DotUnsignedNibbles2(l[c], d0, lo[c][k], d1, hi[c][k]);
+        if constexpr (D == 3) {
+          d0 = LoadB(d[2].b), d1 = LoadB(d[3].b);
+          for (int c = 0; c < C; ++c) m[c] = DotUnsignedNibbles2(m[c], d0, lo[c][k], d1, hi[c][k]);
+          d0 = LoadB(d[4].b), d1 = LoadB(d[5].b);
+          for (int c = 0; c < C; ++c) l[c] = DotUnsignedNibbles2(l[c], d0, lo[c][k], d1, hi[c][k]);
+        }
       }
       const Floats xs = Load(&x.block_scale[(t0 + t) * Bp + 16 * g]);
       for (int c = 0; c < C; ++c) {
-        const Floats v = Fma(ToFloat(AddI(ShiftLeft(h[c], 8), m[c])), Set(256.0f), ToFloat(l[c]));
+        Floats v;
+        if constexpr (D == 3) {
+          v = Fma(ToFloat(AddI(ShiftLeft(h[c], 8), m[c])), Set(256.0f), ToFloat(l[c]));
+        } else {
+          v = ToFloat(h[c]);
+        }
         acc[c][t] = Fma(v, Mul(ws[c], xs), acc[c][t]);
       }
     }
   }
-  const Bytes64* digits = &x.digits[t0 * Q * 2 * kDigits];
+  const Bytes64* bytes = &x.bytes[t0 * Q * 2 * D];
   const Bytes64* xscale = &x.scale[t0 * Q];
   for (int c = 0; c < C; ++c) {
     for (int64_t qd = 4 * x.NG; qd < Q; ++qd) {
@@ -271,10 +283,14 @@ __attribute__((always_inline)) inline void PackedColumns(
       const Bytes lo = LowNibbles(v), hi = HighNibbles(v);
       const Floats ws = Repeat4(block_scale[c] + 4 * qd);
       for (int t = 0; t < N; ++t) {
-        const Bytes64* d = digits + (t * Q + qd) * 2 * kDigits;
-        const Floats sum = ToFloat(DotDigits(lo, hi, LoadB(d[0].b), LoadB(d[1].b),
-                                             LoadB(d[2].b), LoadB(d[3].b), LoadB(d[4].b),
-                                             LoadB(d[5].b)));
+        const Bytes64* d = bytes + (t * Q + qd) * 2 * D;
+        Floats sum;
+        if constexpr (D == 3) {
+          sum = ToFloat(DotDigits(lo, hi, LoadB(d[0].b), LoadB(d[1].b), LoadB(d[2].b),
+                                  LoadB(d[3].b), LoadB(d[4].b), LoadB(d[5].b)));
+        } else {
+          sum = ToFloat(DotNibblesSigned2(ZeroI(), lo, LoadB(d[0].b), hi, LoadB(d[1].b)));
+        }
         const Floats xs = Load(reinterpret_cast<const float*>(xscale[t * Q + qd].b));
         acc[c][t] = Fma(sum, Mul(ws, xs), acc[c][t]);
       }
@@ -288,7 +304,7 @@ __attribute__((always_inline)) inline void PackedColumns(
   }
 }
 
-template <int N>
+template <int D, int N>
 void PackedTile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
   const int64_t G = p.m.G, B = p.I / 32, Bp = p.prep->Bp;
   // Per block: its scale and minimum, 0 past the last block (they meet zero digits and sums).
@@ -299,8 +315,8 @@ void PackedTile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
     for (int64_t b = B; b < Bp; ++b) bs[c][b] = bm[c][b] = 0.0f;  // and [0, B) of these
   }
   int64_t o = r0;
-  for (; o + kColumns <= r1; o += kColumns) PackedColumns<N, kColumns>(p, t0, o, sc, mn, bs, bm);
-  for (; o < r1; ++o) PackedColumns<N, 1>(p, t0, o, sc, mn, bs, bm);
+  for (; o + kColumns <= r1; o += kColumns) PackedColumns<D, N, kColumns>(p, t0, o, sc, mn, bs, bm);
+  for (; o < r1; ++o) PackedColumns<D, N, 1>(p, t0, o, sc, mn, bs, bm);
 }
 
 // Output rows [r0, r1) for N rows of x starting at row t0, from one value per int8.
@@ -407,6 +423,15 @@ void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
   }
 }
 
+template <int N>
+void PackedRows(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
+  if (p.prep->digits == 1) {
+    PackedTile<1, N>(p, t0, r0, r1);
+  } else {
+    PackedTile<3, N>(p, t0, r0, r1);
+  }
+}
+
 void Rows(const Problem& p, int64_t r0, int64_t r1) {
   for (int64_t t = 0; t < p.T; t += kTileRows) {
     switch (std::min(kTileRows, p.T - t) + (p.m.packed ? kTileRows : 0)) {
@@ -414,10 +439,10 @@ void Rows(const Problem& p, int64_t r0, int64_t r1) {
       case 2: Tile<2>(p, t, r0, r1); break;
       case 3: Tile<3>(p, t, r0, r1); break;
       case 4: Tile<4>(p, t, r0, r1); break;
-      case 5: PackedTile<1>(p, t, r0, r1); break;
-      case 6: PackedTile<2>(p, t, r0, r1); break;
-      case 7: PackedTile<3>(p, t, r0, r1); break;
-      default: PackedTile<4>(p, t, r0, r1); break;
+      case 5: PackedRows<1>(p, t, r0, r1); break;
+      case 6: PackedRows<2>(p, t, r0, r1); break;
+      case 7: PackedRows<3>(p, t, r0, r1); break;
+      default: PackedRows<4>(p, t, r0, r1); break;
     }
   }
 }
@@ -433,7 +458,7 @@ struct Work {
   int64_t chunk_rows = kMinChunkRows;
   int64_t n = 0;
   std::vector<float> xsum[kMaxMatrices];
-  Prepared prep;  // x's rows as integer digits, when a matrix is packed
+  Prepared prep;  // x's rows as integers of bytes, when a matrix is packed
   std::atomic<int64_t> next{0}, done{0};
   void Run() {
     const int64_t num_chunks = first_chunk[n];
@@ -459,7 +484,7 @@ struct Work {
 // split never changes a row's result.
 template <typename Schedule>
 void Compute(const float* x, int64_t T, int64_t I, const Matrix* matrices, int64_t n,
-             int64_t threads, Schedule schedule) {
+             int x_bits, int64_t threads, Schedule schedule) {
   auto work = std::make_shared<Work>();
   work->n = n;
   work->first_chunk[0] = 0;
@@ -491,7 +516,7 @@ void Compute(const float* x, int64_t T, int64_t I, const Matrix* matrices, int64
     packed = packed || w.packed;
   }
   if (T == 0) return;
-  if (packed) Prepare(x, T, I, &work->prep);
+  if (packed) Prepare(x, T, I, x_bits, &work->prep);
   const int64_t helpers = std::min<int64_t>(workers - 1, work->first_chunk[n] - 1);
   for (int64_t i = 0; i < helpers; ++i) schedule([work] { work->Run(); });
   work->Run();
@@ -562,7 +587,9 @@ ffi::Error TakeMatrix(int64_t T, int64_t I, int64_t l, const ffi::RemainingArgs&
 }
 
 ffi::Error QMatmul(ffi::ThreadPool pool, Rows2 x, Index layer, ffi::RemainingArgs args,
-                   ffi::RemainingRets rets) {
+                   ffi::RemainingRets rets, int32_t x_bits) {
+  if (x_bits != 24 && x_bits != 8)
+    return ffi::Error::InvalidArgument("xlaserve_qmatmul: x_bits must be 24 or 8");
   const int64_t n = rets.size();
   if (n < 1 || n > qm::kMaxMatrices || args.size() != static_cast<size_t>(3 * n))
     return ffi::Error::InvalidArgument("xlaserve_qmatmul: 1 to 4 matrices of 3 operands each");
@@ -573,7 +600,7 @@ ffi::Error QMatmul(ffi::ThreadPool pool, Rows2 x, Index layer, ffi::RemainingArg
     ffi::Error error = TakeMatrix(T, I, l, args, rets, m, &matrices[m]);
     if (error.failure()) return error;
   }
-  qm::Compute(x.typed_data(), T, I, matrices, n, pool.num_threads(),
+  qm::Compute(x.typed_data(), T, I, matrices, n, x_bits, pool.num_threads(),
               [&pool](auto task) { pool.Schedule(std::move(task)); });
   return ffi::Error::Success();
 }
@@ -587,5 +614,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveQMatmul, QMatmul,
                                   .Arg<Index>()  // the layer of every stack
                                   .RemainingArgs()  // per matrix: q [L, O, I] int8 or [L, O, I / 2]
                                                     // uint8, scale [L, O, G], min [L, O, G] or [0]
-                                  .RemainingRets());  // per matrix: y [T, O]
+                                  .RemainingRets()  // per matrix: y [T, O]
+                                  .Attr<int32_t>("x_bits"));  // packed: x's bits a block, 24 or 8
 #endif  // XLASERVE_NO_FFI
