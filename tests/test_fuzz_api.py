@@ -68,7 +68,10 @@ def send(operation, mode: GenerationMode, n: int, url: str, session, answers: Co
     def one(case):
         # A hang still fails; the bound is generous so that a 2-core machine running the
         # other tests beside this one (a 30 s bound timed out there once) does not.
-        status = case.call(base_url=url, session=session, timeout=300).status_code
+        try:
+            status = case.call(base_url=url, session=session, timeout=300).status_code
+        except requests.Timeout as e:
+            raise AssertionError(f"no answer in 300 s to {case.as_curl_command()}") from e
         answers[operation.path, mode, status] += 1
         assert status < 500, f"{status} for {case.as_curl_command()}"
 
