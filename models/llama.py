@@ -42,7 +42,7 @@ from ops.attention import prepare as prepare_attention
 from ops.invariant import mean_square
 from ops.kv_cache import KVCache, write_kv
 from ops.quantization import QuantFormat
-from ops.quantized_linear import linear, linears, runs_native, stacked
+from ops.quantized_linear import FULL_X_BITS, linear, linears, runs_native, stacked
 from ops.vocab_blocks import embedding, vocab_linear
 
 # llama.cpp's tensor names within `blk.{i}.` -> HF's within `model.layers.{i}.` (Llama).
@@ -170,7 +170,7 @@ class Llama(nnx.Module):
         self.stacked_kernel = False
         self.batch_invariant = False
         self.wide_dtype = None
-        self.x_bits = 24
+        self.x_bits = FULL_X_BITS
         params = {name: nnx.Param(init_param(spec, rngs.params(), dtype))
                   for name, spec in self.param_specs(cfg, quant).items()}
         self.top_names = tuple(n for n in params if not n.startswith("layers."))

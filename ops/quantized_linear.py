@@ -62,11 +62,12 @@ NATIVE_MAX_MATRICES = 4  # the most matrices one call of it multiplies the same 
 # --cpu-activation-dtype: the bits each input of x keeps in ops/native's products with packed
 # 4-bit weights (per block of 32, scaled to the block's largest |x|)
 X_BITS = {"float32": 24, "int8": 8}
+FULL_X_BITS = X_BITS["float32"]  # the default: float32's precision at each block's largest |x|
 
 
 def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
            int8_activations: bool = False, native: bool = False,
-           any_rows: bool = False, wide_dtype=None, x_bits: int = 24) -> jax.Array:
+           any_rows: bool = False, wide_dtype=None, x_bits: int = FULL_X_BITS) -> jax.Array:
     """x [T, I] @ w [O, I]^T -> [T, O]. `w` is a float array or a dict {"q", "scale"[, "min"]}:
     one layer's slice of a quantized parameter, or the whole stack [L, O, I] with its
     "layer" index (`stacked`). `out_dtype`: accumulate and return in it (float32 logits
@@ -298,12 +299,12 @@ def native_fits(x: jax.Array, w, any_rows: bool = False) -> bool:
             and q.ndim == (3 if "layer" in w else 2) and native.available("qmatmul"))
 
 
-def native_linear(x: jax.Array, w: dict, x_bits: int = 24) -> jax.Array:
+def native_linear(x: jax.Array, w: dict, x_bits: int = FULL_X_BITS) -> jax.Array:
     """x [T, I] float32 @ w^T -> [T, O] float32 through ops/native/qmatmul.cc."""
     return native_linears(x, [w], x_bits)[0]
 
 
-def native_linears(x: jax.Array, ws: list[dict], x_bits: int = 24) -> list[jax.Array]:
+def native_linears(x: jax.Array, ws: list[dict], x_bits: int = FULL_X_BITS) -> list[jax.Array]:
     """x times each of up to 4 matrices (one layer index for all), in one call of
     ops/native/qmatmul.cc: their rows are split over the threads together. `x_bits` (24 or
     8): the bits x keeps per block of 32 where a matrix is packed 4-bit (X_BITS)."""
@@ -332,7 +333,7 @@ def linears(x: jax.Array, ws: list, *, native: bool = False, **kwargs) -> list[j
     any_rows = kwargs.get("any_rows", False)
     if (native and 1 < len(ws) <= NATIVE_MAX_MATRICES
             and all(native_fits(x, w, any_rows) for w in ws)):
-        return native_linears(x, ws, kwargs.get("x_bits", 24))
+        return native_linears(x, ws, kwargs.get("x_bits", FULL_X_BITS))
     if not native and not kwargs.get("int8_activations") and len(ws) > 1:
         # one ops/pallas_gpu_matmul kernel for all where it takes each, alike, of one layer
         found = [_kernel_operands(x, w) if isinstance(w, dict) else None for w in ws]
