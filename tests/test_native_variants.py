@@ -187,7 +187,8 @@ QCASES = ([(fmt, 640 if "128" in fmt else 608, 24) for fmt in FORMATS]
 @pytest.fixture(scope="module")
 def qmatmul_outputs(run):
     """For each case: x [13, I], the references (x as the kernel holds it, and x itself),
-    and each build's outputs for all 13 rows at once (tiles of 4, 4, 4, 1) and for rows 0-4
+    and each build's outputs for all 13 rows at once (packed weights in tiles of 8 and 5 rows,
+    or 4, 4, 4, 1 where two columns go at once; others 4, 4, 4, 1), for rows 0-4, 0-6, 7-12
     and 5 alone."""
     results = {}
     for i, (fmt, cols, x_bits) in enumerate(QCASES):
@@ -200,6 +201,8 @@ def qmatmul_outputs(run):
             if why is None:
                 got[build] = {"all": _qmatmul(run, build, x, mats, x_bits=x_bits),
                               "first five": _qmatmul(run, build, x[:5], mats, 1, x_bits),
+                              "first seven": _qmatmul(run, build, x[:7], mats, x_bits=x_bits),
+                              "last six": _qmatmul(run, build, x[7:], mats, x_bits=x_bits),
                               "sixth": _qmatmul(run, build, x[5:6], mats, x_bits=x_bits)}
         results[f"{fmt}, x in {x_bits} bits"] = (want, got)
     return results
@@ -221,7 +224,7 @@ def test_qmatmul_matches_float64_in_every_variant(build, qmatmul_outputs):
 
 @pytest.mark.parametrize("build", list(BUILDS), ids=[NAMES[b] for b in BUILDS])
 def test_qmatmul_rows_and_variants_give_the_same_bits(build, qmatmul_outputs):
-    """A row's product alone, in a tile of 1-4 rows or beside 12 others, is the same bits; and
+    """A row's product alone, in a tile of 1-8 rows or beside 12 others, is the same bits; and
     the same bits as the first variant built here."""
     if BUILDS[build]:
         pytest.skip(BUILDS[build])
@@ -229,6 +232,8 @@ def test_qmatmul_rows_and_variants_give_the_same_bits(build, qmatmul_outputs):
         mine, first = got[build], next(iter(got.values()))
         for m in range(2):
             assert mine["first five"][m].tobytes() == mine["all"][m][:5].tobytes(), fmt
+            assert mine["first seven"][m].tobytes() == mine["all"][m][:7].tobytes(), fmt
+            assert mine["last six"][m].tobytes() == mine["all"][m][7:].tobytes(), fmt
             assert mine["sixth"][m].tobytes() == mine["all"][m][5:6].tobytes(), fmt
             assert mine["all"][m].tobytes() == first["all"][m].tobytes(), fmt
 

@@ -252,6 +252,14 @@ def variant(kernel: str) -> str | None:
     return _state[kernel].get("variant")
 
 
+def multiplies_bound(kernel: str = "qmatmul") -> bool:
+    """Whether `kernel` runs as the x86 AVX2 variant without 8-bit dot-product instructions
+    (VNNI): there a lone decode's 4-bit products are bound by their integer multiplies rather
+    than by reading the weights, and x in 8 bits (--cpu-activation-dtype int8) takes ~0.6x
+    their time (docs/performance-log.md, "8-bit activations for the 4-bit kernel")."""
+    return variant(kernel) == "avx2" and "avx_vnni" not in cpu_features()
+
+
 def library_name(kernel: str) -> str | None:
     """The file name of `kernel`'s loaded library (None when it is not available)."""
     available(kernel)
