@@ -5,6 +5,7 @@ built; and whole models with it on and off."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -318,3 +319,33 @@ def test_cpu_kernels_none_is_an_engine_flag(tmp_path):
                           cwd=os.path.dirname(os.path.dirname(__file__)))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "off and generating" in done.stdout
+
+
+def test_multiplies_bound_is_avx2_without_vnni(monkeypatch):
+    monkeypatch.setattr(native, "variant", lambda kernel: "avx2")
+    monkeypatch.setattr(native, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c"}))
+    assert native.multiplies_bound()
+    monkeypatch.setattr(native, "cpu_features", lambda: frozenset({"avx2", "avx_vnni"}))
+    assert not native.multiplies_bound()
+    for other in ("avx512", "neon", "portable", None):
+        monkeypatch.setattr(native, "variant", lambda kernel, v=other: v)
+        assert not native.multiplies_bound()
+
+
+@needs_kernels
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_start_up_suggests_8_bit_activations_where_multiplies_bound(
+        activations, tmp_path, monkeypatch, caplog):
+    """On an AVX2 CPU without VNNI, a model with 4-bit products and float32 activations logs
+    that --cpu-activation-dtype int8 may pay; with the flag set it does not."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(native, "multiplies_bound", lambda kernel="qmatmul": True)
+    caplog.set_level(logging.INFO, logger="engine.model_runner")
+    path = save_tiny_hf(tmp_path, family="llama")
+    LLMEngine(EngineConfig(model=str(path), dtype="float32", quantization="int4",
+                           max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                           block_size=8, cpu_activation_dtype=activations), detokenize=False)
+    assert "CPU kernels:" in caplog.text
+    assert ("--cpu-activation-dtype int8 took" in caplog.text) == (activations == "float32")
