@@ -188,7 +188,7 @@ class ModelRunner(StepTable):
                 logger.info(
                     "this CPU has AVX2 without VNNI, where the 4-bit products at one stream "
                     "may be bound by their multiplies: --cpu-activation-dtype int8 took 0.6x "
-                    "their time on a Zen 1 EPYC, at 99%% next-token agreement with the "
+                    "their time on a Zen 1 EPYC, at 99% next-token agreement with the "
                     "default float32 activations (docs/serving.md)")
         self.compilations_after_warmup = 0
         self.step_seconds: dict[int, float] = {}  # token bucket -> seconds (_time_steps)

@@ -349,3 +349,4 @@ def test_start_up_suggests_8_bit_activations_where_multiplies_bound(
                            block_size=8, cpu_activation_dtype=activations), detokenize=False)
     assert "CPU kernels:" in caplog.text
     assert ("--cpu-activation-dtype int8 took" in caplog.text) == (activations == "float32")
+    assert "%%" not in caplog.text
