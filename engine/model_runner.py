@@ -183,8 +183,8 @@ class ModelRunner(StepTable):
                     "slower at one stream; --quantization w8a8 is XLA's fastest path on CPU "
                     "(the default model: 1.6x faster at one stream, 1.5x at 64) at some "
                     "accuracy (docs/models.md)")
-            if (getattr(model, "x_bits", FULL_X_BITS) == FULL_X_BITS and native.multiplies_bound()
-                    and any(getattr(fmt, "packed", False) for fmt in dict(model.quant).values())):
+            if (model.x_bits == FULL_X_BITS and native.multiplies_bound()
+                    and any(fmt.packed for fmt in dict(model.quant).values())):
                 logger.info(
                     "this CPU has AVX2 without VNNI, where the 4-bit products at one stream "
                     "may be bound by their multiplies: --cpu-activation-dtype int8 took 0.6x "

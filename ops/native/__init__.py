@@ -254,9 +254,10 @@ def variant(kernel: str) -> str | None:
 
 def multiplies_bound(kernel: str = "qmatmul") -> bool:
     """Whether `kernel` runs as the x86 AVX2 variant without 8-bit dot-product instructions
-    (VNNI): there a lone decode's 4-bit products are bound by their integer multiplies rather
-    than by reading the weights, and x in 8 bits (--cpu-activation-dtype int8) takes ~0.6x
-    their time (docs/performance-log.md, "8-bit activations for the 4-bit kernel")."""
+    (VNNI): there a lone decode's 4-bit products may be bound by their integer multiplies
+    rather than by reading the weights. Measured on a Zen 1 EPYC only, where x in 8 bits
+    (--cpu-activation-dtype int8) took ~0.6x their time (docs/performance-log.md, "8-bit
+    activations for the 4-bit kernel")."""
     return variant(kernel) == "avx2" and "avx_vnni" not in cpu_features()
 
 
