@@ -452,6 +452,39 @@ inline Ints DotNibblesSignedGroup(Ints acc, const Bytes* lo, const Bytes* hi, co
           _mm256_add_epi32(acc.hi, _mm256_madd_epi16(pairs[1], one))};
 }
 #define XLASERVE_DOT_GROUP
+// `DotDigitsGroup`: each digit's 8 dot products summed in 16 bits, widened once: 25
+// multiplies a group where 36 were. The high digit's lanes hold at most 8 * 2 * 15 * 128 =
+// 30720 and are widened as signed (madd); the unsigned digits' at most 8 * 2 * 255 * 15 =
+// 61200, which a 16-bit lane holds unsigned, so they are widened by masks and shifts.
+inline __m256i Widen16(__m256i v) {  // unsigned 16-bit pairs -> 32-bit sums
+  return _mm256_add_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(v, 16));
+}
+inline void DotDigitsGroup(Ints& h, Ints& m, Ints& l, const Bytes* lo, const Bytes* hi,
+                           const uint8_t* d) {
+  __m256i sh[2] = {}, sm[2] = {}, sl[2] = {};
+  for (int k = 0; k < 4; ++k) {
+    const __m256i* x = reinterpret_cast<const __m256i*>(d + 384 * k);  // 6 * 64 bytes a quad
+    const __m256i nibbles[2][2] = {{lo[k].lo, hi[k].lo}, {lo[k].hi, hi[k].hi}};
+    for (int j = 0; j < 2; ++j) {
+      const __m256i n0 = nibbles[j][0], n1 = nibbles[j][1];
+      sh[j] = _mm256_add_epi16(sh[j], _mm256_add_epi16(
+          _mm256_maddubs_epi16(n0, _mm256_loadu_si256(x + j)),
+          _mm256_maddubs_epi16(n1, _mm256_loadu_si256(x + 2 + j))));
+      sm[j] = _mm256_add_epi16(sm[j], _mm256_add_epi16(
+          _mm256_maddubs_epi16(_mm256_loadu_si256(x + 4 + j), n0),
+          _mm256_maddubs_epi16(_mm256_loadu_si256(x + 6 + j), n1)));
+      sl[j] = _mm256_add_epi16(sl[j], _mm256_add_epi16(
+          _mm256_maddubs_epi16(_mm256_loadu_si256(x + 8 + j), n0),
+          _mm256_maddubs_epi16(_mm256_loadu_si256(x + 10 + j), n1)));
+    }
+  }
+  const __m256i one = _mm256_set1_epi16(1);
+  h = {_mm256_add_epi32(h.lo, _mm256_madd_epi16(sh[0], one)),
+       _mm256_add_epi32(h.hi, _mm256_madd_epi16(sh[1], one))};
+  m = {_mm256_add_epi32(m.lo, Widen16(sm[0])), _mm256_add_epi32(m.hi, Widen16(sm[1]))};
+  l = {_mm256_add_epi32(l.lo, Widen16(sl[0])), _mm256_add_epi32(l.hi, Widen16(sl[1]))};
+}
+#define XLASERVE_DIGITS_GROUP
 inline __m256i DotDigits8(__m256i lo, __m256i hi, __m256i h0, __m256i h1, __m256i m0,
                           __m256i m1, __m256i l0, __m256i l1) {
   const __m256i h = Pairs16(lo, h0, hi, h1), m = Pairs16(m0, lo, m1, hi);
@@ -863,6 +896,22 @@ inline Ints DotNibblesSignedGroup(Ints acc, const Bytes* lo, const Bytes* hi, co
   for (int k = 0; k < 4; ++k)
     acc = DotNibblesSigned2(acc, lo[k], LoadB(s + 128 * k), hi[k], LoadB(s + 128 * k + 64));
   return acc;
+}
+#endif
+
+#if !defined(XLASERVE_DIGITS_GROUP)
+// A whole group's dot products with 24-bit x (qmatmul.cc's `PackedColumns`, three bytes an
+// input): for each of x's digits (high, middle, low; `Prepare` lays each quad out as 6 * 64
+// bytes: the high digit at the low nibbles' places, at the high ones', then the middle, the
+// low), the sum over the 4 quads of lo[k] and hi[k] times that digit, into h, m and l. Exact,
+// so the same bits however a target sums them.
+inline void DotDigitsGroup(Ints& h, Ints& m, Ints& l, const Bytes* lo, const Bytes* hi,
+                           const uint8_t* d) {
+  for (int k = 0; k < 4; ++k, d += 384) {
+    h = DotNibblesSigned2(h, lo[k], LoadB(d), hi[k], LoadB(d + 64));
+    m = DotUnsignedNibbles2(m, LoadB(d + 128), lo[k], LoadB(d + 192), hi[k]);
+    l = DotUnsignedNibbles2(l, LoadB(d + 256), lo[k], LoadB(d + 320), hi[k]);
+  }
 }
 #endif
 
