@@ -259,17 +259,8 @@ __attribute__((always_inline)) inline void PackedColumns(
       const Bytes64* d = &x.bytes[((t0 + t) * Q + 4 * g) * 2 * D];
       Ints h[C], m[C], l[C];
       for (int c = 0; c < C; ++c) h[c] = m[c] = l[c] = ZeroI();
-      if constexpr (D == 3 && C == 1) {  // one column: a digit's 8 dot products at once
-        DotDigitsGroup(h[0], m[0], l[0], lo[0], hi[0], d[0].b);
-      } else if constexpr (D == 3) {
-        for (int k = 0; k < 4; ++k, d += 2 * D) {
-          Bytes d0 = LoadB(d[0].b), d1 = LoadB(d[1].b);
-          for (int c = 0; c < C; ++c) h[c] = DotNibblesSigned2(h[c], lo[c][k], d0, hi[c][k], d1);
-          d0 = LoadB(d[2].b), d1 = LoadB(d[3].b);
-          for (int c = 0; c < C; ++c) m[c] = DotUnsignedNibbles2(m[c], d0, lo[c][k], d1, hi[c][k]);
-          d0 = LoadB(d[4].b), d1 = LoadB(d[5].b);
-          for (int c = 0; c < C; ++c) l[c] = DotUnsignedNibbles2(l[c], d0, lo[c][k], d1, hi[c][k]);
-        }
+      if constexpr (D == 3) {  // each of the 4 quads: 6 * 64 bytes, the high digit first
+        for (int c = 0; c < C; ++c) DotDigitsGroup(h[c], m[c], l[c], lo[c], hi[c], d[0].b);
       } else {  // the group's 4 quads of one byte an input: 512 contiguous bytes
         for (int c = 0; c < C; ++c) h[c] = DotNibblesSignedGroup(h[c], lo[c], hi[c], d[0].b);
       }
