@@ -162,6 +162,12 @@ class Llama(nnx.Module):
         # Quantized weight-only matmuls of a few float32 rows run in xlaserve's CPU kernel
         # (ops/native) on one CPU device; elsewhere XLA's dot.
         self.native_matmuls = runs_native(dtype, quant or {}, sharded=mesh is not None)
+        # Packed 4-bit values in that kernel's order (ops/quantized_linear.held_formats: where
+        # it runs them), all of them or none.
+        orders = {f.lanes for f in (quant or {}).values() if f.packed}
+        if len(orders) > 1:
+            raise ValueError("packed 4-bit weights are held in one order")
+        self.lanes = orders == {True}
         # How it runs, as models.run_options.set_run_options sets it for whoever runs it:
         # the layers unrolled, or looped with float and per-channel int8 matrices handed
         # whole to ops/pallas_gpu_matmul; batch-invariant rows; the dtype of XLA's many-row
@@ -268,7 +274,7 @@ class Llama(nnx.Module):
     # ---- the steps a family may override -----------------------------------------------
 
     def embed_tokens(self, top: dict, tokens: jax.Array) -> jax.Array:
-        return embedding(vocab_matrix(top, "embed"), tokens, self.dtype)
+        return embedding(vocab_matrix(top, "embed"), tokens, self.dtype, self.lanes)
 
     def norm(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """x (the float32 stream, or a sublayer's output) normed, in the compute dtype."""
@@ -328,7 +334,7 @@ class Llama(nnx.Module):
         """How this model's matmuls run (ops.quantized_linear.linear's keyword arguments)."""
         return dict(chunked=self.mesh is None, int8_activations=self.int8_activations,
                     native=self.native_matmuls, any_rows=self.batch_invariant,
-                    wide_dtype=self.wide_dtype, x_bits=self.x_bits)
+                    wide_dtype=self.wide_dtype, x_bits=self.x_bits, lanes=self.lanes)
 
     # ---- the head ----------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from models.llama import Llama
 from models.sharding import param_shardings, repeat_kv_heads, sharded_config
 from models.weights import build_model, pack_params, quant_plan, quantize_params
 from ops.quantization import held_bytes
-from ops.quantized_linear import holds_packed
+from ops.quantized_linear import held_formats
 from ops.shard import TENSOR_AXIS
 
 logger = logging.getLogger(__name__)
@@ -127,9 +127,11 @@ def load_model(path: str | Path, dtype: str | None = None,
     else:
         params, quant = load_host_params(path, cfg, jdtype, quantization)
         params = repeat_kv_heads(params, repeats, cfg.head_dim)
-    if holds_packed(jdtype, quant, sharded=mesh is not None):  # 4-bit matrices two a byte
+    held = held_formats(jdtype, quant, sharded=mesh is not None)  # 4-bit matrices two a byte
+    if held != quant:
         on_device = model_format(path) == "orbax"
-        params, quant = pack_params(params, quant, xp=jnp if on_device else np)
+        params = pack_params(params, quant, held, xp=jnp if on_device else np)
+        quant = held
     model = build_model(run_cfg, params, jdtype, attention_backend, mesh, quant)
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
     del params

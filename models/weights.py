@@ -24,7 +24,7 @@ from models.parameters import QUANTIZABLE
 from models.progress import progress_bar
 from models.registry import model_class, param_specs
 from ops.quantization import VOCAB_MATRICES, QuantFormat, dequantize, pack, quantize, scheme_format
-from ops.quantized_linear import holds_packed, packed_formats
+from ops.quantized_linear import held_formats
 from ops.vocab_blocks import RARE, frequent_rows, rows_of, split_rows
 
 
@@ -186,16 +186,15 @@ def quantize_params(params: dict, quant: dict[str, QuantFormat], *, xp=np) -> di
     return nest(flat)
 
 
-def pack_params(params: dict, quant: dict[str, QuantFormat], *, xp=np
-                ) -> tuple[dict, dict[str, QuantFormat]]:
-    """Nested parameters with one value per int8 -> those of `packed_formats(quant)` packed
-    two a byte (ops/quantization.pack), and that plan."""
-    packed = packed_formats(quant)
+def pack_params(params: dict, quant: dict[str, QuantFormat], held: dict[str, QuantFormat],
+                *, xp=np) -> dict:
+    """Nested parameters with one value per int8 in `quant`'s formats -> those `held` packs
+    two a byte (ops/quantization.pack, in the CPU kernel's order where `held` says `lanes`)."""
     flat = traverse_util.flatten_dict(params, sep=".")
-    for name, fmt in packed.items():
+    for name, fmt in held.items():
         if fmt.packed and not quant[name].packed:
-            flat[name] = pack(flat[name], not fmt.has_min, xp=xp)
-    return nest(flat), packed
+            flat[name] = pack(flat[name], not fmt.has_min, lanes=fmt.lanes, xp=xp)
+    return nest(flat)
 
 
 def nest(flat: dict[str, np.ndarray]) -> dict:
@@ -251,13 +250,12 @@ def random_model(cfg: ModelConfig, dtype, *, seed: int = 0, attention_backend: s
 
     run_cfg = cfg if mesh is None else sharded_config(cfg, mesh.shape[TENSOR_AXIS])
     plan = quant_plan(run_cfg, quantization)
-    packs = holds_packed(dtype, plan, sharded=mesh is not None)
-    quant = packed_formats(plan) if packs else plan
+    quant = held_formats(dtype, plan, sharded=mesh is not None)
 
     def init():
         model = model_class(run_cfg.architecture)(run_cfg, dtype=dtype, rngs=nnx.Rngs(seed))
         params = quantize_params(nnx.to_pure_dict(nnx.state(model)), plan, xp=jnp)
-        return pack_params(params, plan, xp=jnp)[0] if packs else params
+        return pack_params(params, plan, quant, xp=jnp)
 
     shardings = None if mesh is None else param_shardings(run_cfg, mesh, quant)
     graphdef, state = nnx.split(abstract_model(run_cfg, dtype, attention_backend, mesh, quant))

@@ -15,7 +15,8 @@ Scales and minimums are float16 (GGUF's own type, so its blocks stay exact; floa
 round their scales to it before quantizing, as llama.cpp does).
 
 Where xlaserve's CPU kernel runs a model's matmuls (ops/quantized_linear.py `runs_native`),
-its 4-bit matrices are packed two values a byte (`pack`). Without the kernel (no C++
+its 4-bit matrices are packed two values a byte (`pack`), each whole group of 16 blocks in
+the order the kernel reads (`to_lanes`). Without the kernel (no C++
 compiler, a failed build, --cpu-kernels none, a mesh, or bfloat16 activations),
 4-bit values are held one per int8 on CPU: XLA:CPU does not fuse the unpacking of two values
 from a byte into its matrix-vector product, and packed int4, or nibbles unpacked with shifts
@@ -39,6 +40,7 @@ SCHEMES = ("int8", "int4", "w8a8")  # formats a float weight can be quantized to
 CHOICES = ("auto", "none", *SCHEMES)
 INT4_GROUP = 32
 BLOCK = 32  # inputs per block of packed 4-bit values (`pack`)
+LANE_BLOCKS = 16  # blocks of packed values `to_lanes` reorders as one group (256 bytes)
 # One row per token: the embedding table, the LM head (held as row blocks under int4,
 # ops/vocab_blocks.py).
 VOCAB_MATRICES = ("embed", "lm_head")
@@ -52,12 +54,14 @@ class QuantFormat:
     has_min: bool = False
     activations: int = 0  # 0: the matmul reads activations in the compute dtype; 8: int8
     packed: bool = False  # 4 bits: two values a byte, uint8 [..., O, I / 2] (`pack`)
+    lanes: bool = False   # packed, in the order ops/native's kernel reads (`to_lanes`)
 
     def __post_init__(self):
         if (self.bits not in (4, 8) or self.group < 0 or (self.has_min and not self.group)
                 or self.activations not in (0, 8)
                 or (self.activations and (self.bits, self.group) != (8, 0))
-                or (self.packed and (self.bits != 4 or self.group % BLOCK))):
+                or (self.packed and (self.bits != 4 or self.group % BLOCK))
+                or (self.lanes and not self.packed)):
             raise ValueError(f"unsupported quantization format {self}")
 
     def scale_columns(self, in_features: int) -> int:
@@ -135,31 +139,61 @@ def quantize(w, fmt: QuantFormat, *, xp=np) -> dict:
     return {"q": q.reshape(w.shape), "scale": scale, **parts}
 
 
-def pack(q, symmetric: bool, *, xp=np):
+def pack(q, symmetric: bool, *, lanes: bool = False, xp=np):
     """4-bit values int8 [..., O, I] -> uint8 [..., O, I / 2], llama.cpp's Q4 block layout:
     in each block of 32 inputs, byte j holds input j in its low nibble and input j + 16 in
-    its high one. Symmetric values ([-8, 7]) are stored plus 8, as Q4_0 stores them."""
+    its high one. Symmetric values ([-8, 7]) are stored plus 8, as Q4_0 stores them. With
+    `lanes`, each row's whole groups of 16 blocks then reordered by `to_lanes`."""
     *lead, rows, cols = q.shape
     blocks = q.reshape(*lead, rows, cols // BLOCK, 2, BLOCK // 2).astype(xp.int32)
     if symmetric:
         blocks = blocks + 8
-    return (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).astype(xp.uint8).reshape(
+    packed = (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).astype(xp.uint8).reshape(
         *lead, rows, cols // 2)
+    return to_lanes(packed, xp=xp) if lanes else packed
 
 
-def unpack(q, symmetric: bool, *, xp=jnp):
+def unpack(q, symmetric: bool, *, lanes: bool = False, xp=jnp):
     """`pack`'s inverse: uint8 [..., O, I / 2] -> int8 values [..., O, I]."""
+    if lanes:
+        q = from_lanes(q, xp=xp)
     *lead, rows, half = q.shape
     blocks = q.reshape(*lead, rows, half // (BLOCK // 2), BLOCK // 2)
     values = xp.concatenate([blocks & 15, blocks >> 4], axis=-1).astype(xp.int8)
     return (values - 8 if symmetric else values).reshape(*lead, rows, 2 * half)
 
 
-def dequantize(q, scale, minimum=None, *, xp=jnp, dtype=jnp.float32):
-    """[..., O, I] values (or packed, uint8 [..., O, I / 2]) and [..., O, G] scales (and
-    minimums) -> the float weight."""
+def _swap(packed, shape: tuple, xp):
+    """Each row's whole groups of LANE_BLOCKS blocks (256 bytes) seen as `shape` with its
+    first two axes swapped; the bytes after them kept."""
+    *lead, rows, half = packed.shape
+    whole = half // (LANE_BLOCKS * BLOCK // 2) * (LANE_BLOCKS * BLOCK // 2)
+    if not whole:
+        return packed
+    groups = packed[..., :whole].reshape(*lead, rows, -1, *shape)
+    groups = xp.swapaxes(groups, -3, -2).reshape(*lead, rows, whole)
+    return groups if whole == half else xp.concatenate([groups, packed[..., whole:]], axis=-1)
+
+
+def to_lanes(packed, *, xp=np):
+    """Packed 4-bit values in `pack`'s order -> the order ops/native's kernel reads: in each
+    row's whole groups of 16 blocks (256 bytes), byte 64k + 4b + j holds block b's byte
+    4k + j (block b's 16 bytes as 4 parts of 4, part k of the 16 blocks one after another:
+    a part of every block a 64-byte register, a block a 32-bit lane of it, as the kernel
+    sums them). The blocks after the last whole group keep `pack`'s order."""
+    return _swap(packed, (LANE_BLOCKS, 4, 4), xp)  # [blocks, parts, 4] -> [parts, blocks, 4]
+
+
+def from_lanes(packed, *, xp=jnp):
+    """`to_lanes`' inverse."""
+    return _swap(packed, (4, LANE_BLOCKS, 4), xp)
+
+
+def dequantize(q, scale, minimum=None, *, lanes: bool = False, xp=jnp, dtype=jnp.float32):
+    """[..., O, I] values (or packed, uint8 [..., O, I / 2], in `to_lanes`' order with
+    `lanes`) and [..., O, G] scales (and minimums) -> the float weight."""
     if q.dtype == xp.uint8:
-        q = unpack(q, minimum is None, xp=xp)
+        q = unpack(q, minimum is None, lanes=lanes, xp=xp)
     *lead, rows, cols = q.shape
     groups = scale.shape[-1]
     w = q.reshape(*lead, rows, groups, cols // groups).astype(dtype)

@@ -13,9 +13,9 @@ of ops/quantization.py), in a form chosen per static shape from measurements on 
   other rows are, so a row's numbers do not depend on its batch (XLA's dot gives no such
   promise; at many rows it is faster). XLA's own one-row product runs on one thread, and at
   a few rows XLA materializes the dequantized matrix before its dot. A model whose matmuls
-  run there (`runs_native`) holds its 4-bit matrices packed two values a byte in
-  llama.cpp's Q4 block layout (`pack`): half the memory, and half the bytes a lone decode
-  reads. A layer of a stacked matrix reaches the kernel as the whole stack and an index
+  run there (`runs_native`) holds its 4-bit matrices packed two values a byte (`pack`), in
+  the order the kernel reads them (`held_formats`): half the memory, and half the bytes a
+  lone decode reads. A layer of a stacked matrix reaches the kernel as the whole stack and an index
   (`stacked`): XLA copies a slice before a custom call reads it ("A CPU kernel for
   quantized matmuls, and 4-bit weights two a byte");
 - on a GPU, float and per-channel int8 weights at one row: a multiply and a sum
@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ops import native, pallas_gpu_matmul
-from ops.quantization import BLOCK, dequantize
+from ops.quantization import BLOCK, LANE_BLOCKS, dequantize
 
 NATIVE_MAX_ROWS = 8  # the most rows ops/native's kernel takes, unless `any_rows` (below)
 # The largest dequantized block at more than one row (the fastest size measured,
@@ -67,7 +67,8 @@ FULL_X_BITS = X_BITS["float32"]  # the default: float32's precision at each bloc
 
 def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
            int8_activations: bool = False, native: bool = False,
-           any_rows: bool = False, wide_dtype=None, x_bits: int = FULL_X_BITS) -> jax.Array:
+           any_rows: bool = False, wide_dtype=None, x_bits: int = FULL_X_BITS,
+           lanes: bool = False) -> jax.Array:
     """x [T, I] @ w [O, I]^T -> [T, O]. `w` is a float array or a dict {"q", "scale"[, "min"]}:
     one layer's slice of a quantized parameter, or the whole stack [L, O, I] with its
     "layer" index (`stacked`). `out_dtype`: accumulate and return in it (float32 logits
@@ -78,7 +79,9 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
     number of rows (--batch-invariant), not only up to NATIVE_MAX_ROWS. `wide_dtype`: the
     dtype XLA's products of more than NATIVE_MAX_ROWS rows multiply in (`wide_dtype`, the
     function), summed in `out_dtype` or x's. `x_bits`: the bits x keeps per block of 32 in
-    ops/native's products with packed 4-bit values (X_BITS)."""
+    ops/native's products with packed 4-bit values (X_BITS). `lanes`: packed 4-bit values
+    are in the order ops/native's kernel reads (ops/quantization.to_lanes), the only order
+    it takes them in (`held_formats`)."""
     out = out_dtype or x.dtype
     wide = wide_dtype if wide_dtype is not None and x.shape[0] > NATIVE_MAX_ROWS else None
     dot = functools.partial(_dot_t, out_dtype=out)
@@ -86,7 +89,7 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
         y = _stacked_kernel(x, w, out_dtype)
         if y is not None:
             return y
-    if native and native_fits(x, w, any_rows):
+    if native and native_fits(x, w, any_rows, lanes):
         y = native_linear(x, w, x_bits)
         return y if out_dtype is None else y.astype(out_dtype)
     if isinstance(w, dict) and "layer" in w:
@@ -102,7 +105,7 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
     q, scale, minimum = w["q"], w["scale"], w.get("min")
     group = x.shape[-1] // scale.shape[-1]
     if q.dtype == jnp.uint8:  # packed 4 bits (the CPU kernel's rows are above)
-        return _packed_linear(x, w, out, chunked, wide)
+        return _packed_linear(x, w, out, chunked, wide, lanes)
     if group == x.shape[-1] and minimum is None:  # per-channel: scale the output
         y = dot(x.astype(wide or x.dtype), q.astype(wide or x.dtype))  # int8 values: exact
         return y * scale[:, 0].astype(y.dtype)
@@ -210,31 +213,50 @@ def _in_blocks(x: jax.Array, w: dict, chunked: bool, product) -> jax.Array:
     return ys.transpose(1, 0, 2).reshape(x.shape[0], rows)
 
 
-def _packed_linear(x: jax.Array, w: dict, out_dtype, chunked: bool, wide=None) -> jax.Array:
+def _packed_linear(x: jax.Array, w: dict, out_dtype, chunked: bool, wide=None,
+                   lanes: bool = False) -> jax.Array:
     """XLA's product with packed 4-bit values: the low and the high nibbles each dequantize
     elementwise to [O, I / 2] and meet the inputs they hold (the first and the last 16 of
     each block of 32), two dots summed (in `wide`, when given, rounded from x's dtype).
     Interleaving the nibbles back into [O, I] first ran slower at 16-64 rows
     (docs/performance-log.md, "A CPU kernel for quantized matmuls, and 4-bit weights two a
-    byte")."""
+    byte"). Values in the CPU kernel's order (`lanes`) meet x's inputs put in that order,
+    their whole groups of 16 blocks dequantized as [O, groups, 4, 16, 4] (`to_lanes`), a
+    scale per block broadcast along two axes, and contracted so; the blocks after them in
+    one more product. Reordering the values back as they are read, or broadcasting each
+    block's scale to [O, I / 2] in their order, cost 10-23% at 16 rows."""
     rows_x, cols = x.shape
     xw = x.astype(wide or x.dtype)
-    halves = xw.reshape(rows_x, cols // BLOCK, 2, BLOCK // 2)
-    x_lo, x_hi = (halves[:, :, h].reshape(rows_x, cols // 2) for h in (0, 1))
+    blocks = cols // BLOCK
+    whole = blocks // LANE_BLOCKS * LANE_BLOCKS if lanes else 0
+    halves = xw.reshape(rows_x, blocks, 2, BLOCK // 2)
+    if whole:  # [T, groups, 16 blocks, 4 parts, 4] -> [T, groups, 4 parts, 16 blocks, 4]
+        xg = halves[:, :whole].reshape(rows_x, whole // LANE_BLOCKS, LANE_BLOCKS, 2, 4, 4)
+        xg = [xg[:, :, :, h].swapaxes(2, 3).reshape(rows_x, -1) for h in (0, 1)]
+    xt = [halves[:, whole:, h].reshape(rows_x, -1) for h in (0, 1)]
     symmetric = "min" not in w
 
     def product(_, b):
         q, scale, minimum = b["q"], b["scale"], b.get("min")
-        per_group = cols // (scale.shape[-1] * BLOCK)  # blocks a scale covers
         o = q.shape[0]
-        scale = jnp.repeat(scale.astype(x.dtype), per_group, axis=-1)[..., None]
+        per_group = cols // (scale.shape[-1] * BLOCK)  # blocks a scale covers
+        scale = jnp.repeat(scale.astype(x.dtype), per_group, axis=-1)  # [O, blocks]
         shift = (-8 * scale if symmetric else
-                 jnp.repeat(minimum.astype(x.dtype), per_group, axis=-1)[..., None])
+                 jnp.repeat(minimum.astype(x.dtype), per_group, axis=-1))
         y = 0
-        for xh, nibbles in ((x_lo, q & 15), (x_hi, q >> 4)):
-            wf = nibbles.reshape(o, cols // BLOCK, BLOCK // 2).astype(x.dtype) * scale + shift
-            wf = wf.reshape(o, cols // 2).astype(xh.dtype)
-            y = y + _dot_t(xh, wf, out_dtype)
+        if whole:
+            qg = q[:, :whole * BLOCK // 2].reshape(o, whole // LANE_BLOCKS, 4, LANE_BLOCKS, 4)
+            sg, hg = (a[:, :whole].reshape(o, whole // LANE_BLOCKS, 1, LANE_BLOCKS, 1)
+                      for a in (scale, shift))
+            for xh, nibbles in zip(xg, (qg & 15, qg >> 4), strict=True):
+                wf = (nibbles.astype(x.dtype) * sg + hg).reshape(o, -1).astype(xh.dtype)
+                y = y + _dot_t(xh, wf, out_dtype)
+        if whole < blocks:
+            qt = q[:, whole * BLOCK // 2:].reshape(o, blocks - whole, BLOCK // 2)
+            st, ht = scale[:, whole:, None], shift[:, whole:, None]
+            for xh, nibbles in zip(xt, (qt & 15, qt >> 4), strict=True):
+                wf = (nibbles.astype(x.dtype) * st + ht).reshape(o, -1).astype(xh.dtype)
+                y = y + _dot_t(xh, wf, out_dtype)
         return y
 
     return _in_blocks(xw, w, chunked, product)  # its dtype sizes the blocks
@@ -255,7 +277,7 @@ def runs_native(dtype, quant: dict, *, sharded: bool) -> bool:
     """Whether a model's quantized matmuls of a few rows run in ops/native's kernel: float32
     activations, weight-only formats, one CPU device (XLA splits the matmuls under a
     mesh), and a kernel that could be built here. Such a model also holds its 4-bit
-    matrices packed (`packed_formats`)."""
+    matrices packed (`held_formats`)."""
     return bool(quant and not sharded and jnp.dtype(dtype) == jnp.float32
                 and not any(fmt.activations for fmt in quant.values())
                 and jax.default_backend() == "cpu" and native.available("qmatmul"))
@@ -263,7 +285,7 @@ def runs_native(dtype, quant: dict, *, sharded: bool) -> bool:
 
 def holds_packed(dtype, quant: dict, *, sharded: bool) -> bool:
     """Whether a model holds its 4-bit group matrices packed two values a byte
-    (`packed_formats`): where ops/native's kernel runs its matmuls (`runs_native`), and on one
+    (`held_formats`): where ops/native's kernel runs its matmuls (`runs_native`), and on one
     GPU, where ops/pallas_gpu_matmul unpacks them in its read. XLA:CPU's own one-row product
     would unpack them many times slower than it reads one value per int8."""
     if runs_native(dtype, quant, sharded=sharded):
@@ -272,27 +294,34 @@ def holds_packed(dtype, quant: dict, *, sharded: bool) -> bool:
                 and not any(fmt.activations for fmt in quant.values()))
 
 
-def packed_formats(quant: dict) -> dict:
-    """`quant` with its 4-bit group formats packed two values a byte (see ops/quantization.py's
-    docstring), for a model that `holds_packed`."""
-    return {name: dataclasses.replace(fmt, packed=True)
+def held_formats(dtype, quant: dict, *, sharded: bool) -> dict:
+    """`quant` as a model of `dtype` holds it here: where it `holds_packed`, its 4-bit group
+    formats packed two values a byte (see ops/quantization.py's docstring), in the order
+    ops/native's kernel reads (`lanes`: ops/quantization.to_lanes) where that kernel runs
+    them, which then need no reordering as each token reads them (a lone decode's products
+    took ~0.85x the time on AVX2: docs/performance-log.md, "4-bit weights held in the
+    kernel's order")."""
+    if not holds_packed(dtype, quant, sharded=sharded):
+        return dict(quant)
+    lanes = runs_native(dtype, quant, sharded=sharded)
+    return {name: dataclasses.replace(fmt, packed=True, lanes=lanes)
             if fmt.bits == 4 and fmt.group and fmt.group % BLOCK == 0 else fmt
             for name, fmt in quant.items()}
 
 
-def native_fits(x: jax.Array, w, any_rows: bool = False) -> bool:
+def native_fits(x: jax.Array, w, any_rows: bool = False, lanes: bool = False) -> bool:
     """Whether ops/native's kernel takes this product: float32 rows (up to NATIVE_MAX_ROWS
     of them, or any number with `any_rows`), and a matrix of one-per-int8 values with
-    float16 scales per
-    group of a multiple of 16 inputs (every format of SCHEMES but w8a8's, and GGUF's), or
-    of packed values with groups of 32 times a power of two."""
+    float16 scales per group of a multiple of 16 inputs (every format of SCHEMES but
+    w8a8's, and GGUF's), or of packed values in its order (`lanes`) with groups of 32 times
+    a power of two."""
     if (not isinstance(w, dict) or x.dtype != jnp.float32 or x.ndim != 2
             or x.shape[0] < 1 or (x.shape[0] > NATIVE_MAX_ROWS and not any_rows)):
         return False
     q, scale = w["q"], w["scale"]
     packed = q.dtype == jnp.uint8
     groups, cols = scale.shape[-1], q.shape[-1] * (2 if packed else 1)
-    return ((packed or q.dtype == jnp.int8) and scale.dtype == jnp.float16
+    return (((packed and lanes) or q.dtype == jnp.int8) and scale.dtype == jnp.float16
             and cols == x.shape[1] and cols % groups == 0
             and (cols // groups) % (BLOCK if packed else 16) == 0 and groups <= 1024
             and not (packed and (cols // groups // BLOCK) & (cols // groups // BLOCK - 1))
@@ -332,7 +361,7 @@ def linears(x: jax.Array, ws: list, *, native: bool = False, **kwargs) -> list[j
     ops/pallas_gpu_matmul where it takes each and they are alike, else one product each."""
     any_rows = kwargs.get("any_rows", False)
     if (native and 1 < len(ws) <= NATIVE_MAX_MATRICES
-            and all(native_fits(x, w, any_rows) for w in ws)):
+            and all(native_fits(x, w, any_rows, kwargs.get("lanes", False)) for w in ws)):
         return native_linears(x, ws, kwargs.get("x_bits", FULL_X_BITS))
     if not native and not kwargs.get("int8_activations") and len(ws) > 1:
         # one ops/pallas_gpu_matmul kernel for all where it takes each, alike, of one layer

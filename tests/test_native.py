@@ -61,7 +61,7 @@ def _stack(make, rows, cols, layers=3, seed=0, packed=False):
     mats = [make((rng.standard_normal((rows, cols)) * rng.uniform(0.1, 2, (rows, 1)))
                  .astype(np.float32)) for _ in range(layers)]
     if packed:
-        mats = [{**m, "q": pack(m["q"], "min" not in m)} for m in mats]
+        mats = [{**m, "q": pack(m["q"], "min" not in m, lanes=True)} for m in mats]
     return jax.tree.map(lambda *a: jnp.asarray(np.stack(a)), *mats)
 
 
@@ -81,10 +81,11 @@ def test_kernel_matches_xla(fmt, packed, rows, cols):
     stack = _stack(FORMATS[fmt], rows, cols, packed=packed)
     values = _stack(FORMATS[fmt], rows, cols)  # the same matrices, one value per int8
     if packed:
-        np.testing.assert_array_equal(np.asarray(unpack(stack["q"], "min" not in stack)),
+        np.testing.assert_array_equal(np.asarray(unpack(stack["q"], "min" not in stack,
+                                                        lanes=True)),
                                       np.asarray(values["q"]))
     rng = np.random.default_rng(1)
-    run = jax.jit(lambda x, w, layer: linear(x, stacked(w, layer), native=True))
+    run = jax.jit(lambda x, w, layer: linear(x, stacked(w, layer), native=True, lanes=True))
     for t in (1, 3, 5, 8):  # the kernel tiles rows by 4: 1, 3, 4 + 1, 4 + 4 (a lone row: 1, 5)
         x = jnp.asarray(rng.standard_normal((t, cols)).astype(np.float32))
         for layer in (0, 2):
@@ -94,14 +95,20 @@ def test_kernel_matches_xla(fmt, packed, rows, cols):
             # times the group's sum of x) and the values' cancel in part, so float32's error
             # is a larger share of the result.
             scale = np.abs(want).max() * (4 if fmt == "int8 group 16 with minimums" else 1)
-            # XLA's own path reads packed values too (more rows than the kernel takes)
-            np.testing.assert_allclose(np.asarray(linear(x, one)), want, rtol=0,
-                                       atol=2e-6 * scale)
-            assert native_fits(x, stacked(stack, layer)) and native_fits(x, one)
+            assert native_fits(x, stacked(stack, layer), lanes=True)
+            assert native_fits(x, one, lanes=True)
             got = np.asarray(run(x, stack, jnp.int32(layer)))
-            alone = np.asarray(jax.jit(lambda x, w: linear(x, w, native=True))(x, one))
+            alone = np.asarray(jax.jit(
+                lambda x, w: linear(x, w, native=True, lanes=True))(x, one))
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)
             np.testing.assert_allclose(alone, want, rtol=0, atol=2e-6 * scale)
+    # More rows than the kernel takes: XLA's own path reads the same values, in its order
+    x = jnp.asarray(rng.standard_normal((NATIVE_MAX_ROWS + 4, cols)).astype(np.float32))
+    one = jax.tree.map(lambda a: a[1], stack)
+    want = np.asarray(linear(x, jax.tree.map(lambda a: a[1], values)))
+    assert not native_fits(x, one, lanes=True)
+    np.testing.assert_allclose(np.asarray(linear(x, one, native=True, lanes=True)), want,
+                               rtol=0, atol=2e-6 * np.abs(want).max() * 4)
 
 
 @needs_kernels
@@ -118,10 +125,12 @@ def test_one_call_multiplies_the_same_rows_by_several_matrices():
         x = jnp.asarray(rng.standard_normal((t, 256)).astype(np.float32))
         for n in (2, 3, 4):
             got = jax.jit(lambda x, ws, layer: linears(
-                x, [stacked(w, layer) for w in ws], native=True))(x, mats[:n], jnp.int32(2))
+                x, [stacked(w, layer) for w in ws], native=True, lanes=True))(
+                    x, mats[:n], jnp.int32(2))
             assert [g.shape for g in got] == [(t, m["q"].shape[1]) for m in mats[:n]]
             for g, m in zip(got, mats[:n], strict=True):
-                alone = jax.jit(lambda x, w: linear(x, stacked(w, 2), native=True))(x, m)
+                alone = jax.jit(
+                    lambda x, w: linear(x, stacked(w, 2), native=True, lanes=True))(x, m)
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(alone))
     with pytest.raises(ValueError, match="share one layer"):
         native_linears(x, [stacked(mats[0], 0), stacked(mats[1], 1)])
@@ -147,7 +156,7 @@ def test_x_in_8_bits_reaches_the_kernel():
     want = np.asarray(linear(jnp.asarray(held, jnp.float32), one)).astype(np.float64)
     exact = np.asarray(linear(jnp.asarray(x), one))
     run = jax.jit(lambda x, ws, bits: linears(x, [stacked(w, layer) for w in ws], native=True,
-                                              x_bits=bits), static_argnums=2)
+                                              lanes=True, x_bits=bits), static_argnums=2)
     got8, q8_8 = (np.asarray(y) for y in run(jnp.asarray(x), [packed, q8], 8))
     got24, q8_24 = (np.asarray(y) for y in run(jnp.asarray(x), [packed, q8], 24))
     scale = np.abs(want).max()
@@ -155,7 +164,8 @@ def test_x_in_8_bits_reaches_the_kernel():
     np.testing.assert_allclose(got24, exact, rtol=0, atol=2e-6 * scale)
     assert 1e-4 * scale < np.abs(got8 - got24).max() < 2e-2 * scale
     np.testing.assert_array_equal(q8_8, q8_24)
-    alone = jax.jit(lambda x: linear(x, stacked(packed, layer), native=True, x_bits=8))
+    alone = jax.jit(
+        lambda x: linear(x, stacked(packed, layer), native=True, lanes=True, x_bits=8))
     for t in range(5):
         np.testing.assert_array_equal(np.asarray(alone(jnp.asarray(x[t:t + 1])))[0], got8[t])
     with pytest.raises(ValueError, match="x_bits"):
@@ -216,7 +226,7 @@ def test_a_rows_product_does_not_depend_on_the_other_rows(fmt):
                    packed=packed)
     cols = 608 if fmt != "int8 per channel" else 256
     x = np.random.default_rng(3).standard_normal((40, cols)).astype(np.float32)
-    f = jax.jit(lambda x, w: linear(x, stacked(w, 1), native=True, any_rows=True))
+    f = jax.jit(lambda x, w: linear(x, stacked(w, 1), native=True, lanes=True, any_rows=True))
     whole = np.asarray(f(jnp.asarray(x), stack))
     for rows in (1, 2, 3, 4, 5, 7, 9, 13):
         for start in (0, 1, 6):

@@ -142,7 +142,7 @@ def _matrix(fmt: str, rows: int, cols: int, seed: int):
     w = np.repeat(scale.astype(np.float64), group, axis=1) * q
     if minimum is not None:
         w += np.repeat(minimum.astype(np.float64), group, axis=1)
-    values = pack(q, minimum is None) if packed else q.astype(np.int8)
+    values = pack(q, minimum is None, lanes=True) if packed else q.astype(np.int8)
     data = values.tobytes() + scale.tobytes() + (minimum.tobytes() if minimum is not None else b"")
     return data, (int(packed), int(minimum is not None), rows, scale.shape[1]), w
 

@@ -289,6 +289,45 @@ def test_held_bytes_count_4_bit_values_as_half_a_byte():
     assert quantization.held_bytes(np.zeros((8, 64), np.float32)) == 2048
 
 
+@pytest.mark.parametrize("has_min", [False, True])
+@pytest.mark.parametrize("cols", [256, 608, 1536])  # no whole group; one and 3 blocks more; 3
+def test_packed_values_in_the_kernels_order_are_the_same_weights(cols, has_min):
+    """`lanes` (ops/native's order, as a model whose matmuls it runs holds its packed 4-bit
+    values): byte 64k + 4b + j of each whole group of 16 blocks is block b's byte 4k + j, the
+    blocks after the groups as `pack` has them; the values, the rows looked up and XLA's
+    products of many rows are the same as from `pack`'s order."""
+    fmt = QuantFormat(4, 32, has_min)
+    parts = quantize(_weight(24, cols), fmt)
+    blocks = quantization.pack(parts["q"], not has_min)
+    lanes = quantization.pack(parts["q"], not has_min, lanes=True)
+    whole = cols // 32 // 16 * 256
+    assert lanes.shape == blocks.shape and (lanes[:, whole:] == blocks[:, whole:]).all()
+    for g in range(whole // 256):
+        for k, b, j in [(0, 0, 0), (0, 5, 3), (1, 0, 0), (3, 15, 3), (2, 7, 1)]:
+            np.testing.assert_array_equal(lanes[:, 256 * g + 64 * k + 4 * b + j],
+                                          blocks[:, 256 * g + 16 * b + 4 * k + j])
+    if whole:
+        assert (lanes != blocks).any()
+    np.testing.assert_array_equal(quantization.from_lanes(lanes, xp=np), blocks)
+    np.testing.assert_array_equal(quantization.to_lanes(blocks), lanes)
+    for xp in (np, jnp):
+        np.testing.assert_array_equal(
+            np.asarray(quantization.unpack(xp.asarray(lanes), not has_min, lanes=True, xp=xp)),
+            parts["q"])
+    held = {**parts, "q": lanes}
+    dense = dequantize(parts["q"], parts["scale"], parts.get("min"), xp=np)
+    tokens = np.array([3, 0, 23, 11], np.int32)
+    rows = jax.jit(lambda t, w: vocab_blocks.embedding(w, t, jnp.float32, lanes=True))(
+        tokens, held)
+    np.testing.assert_array_equal(np.asarray(rows), dense[tokens])
+    x = np.random.default_rng(cols).standard_normal(
+        (quantized_linear.NATIVE_MAX_ROWS + 4, cols)).astype(np.float32)
+    got = jax.jit(lambda x, w: linear(x, w, lanes=True))(x, held)
+    want = jax.jit(linear)(x, {**parts, "q": blocks})
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                               atol=1e-5 * np.abs(np.asarray(want)).max())
+
+
 def test_asymmetric_blocks_matmul():
     w = _weight(16, 64)
     raw = gguf.quants.quantize(w, T.Q4_1).reshape(-1)
@@ -314,13 +353,14 @@ def test_a_vocabulary_matrix_in_row_blocks_is_the_whole_one(native, rows):
     whole = np.concatenate([dequantize(b["q"], b["scale"], b.get("min"), xp=np)
                             for b in (frequent, rare)])
     if native:
-        rare = {**rare, "q": quantization.pack(rare["q"], symmetric=False)}
+        rare = {**rare, "q": quantization.pack(rare["q"], symmetric=False, lanes=True)}
     blocks = (frequent, rare)
     tokens = np.array([0, 31, 32, 95, 40, 3], np.int32)
-    got = jax.jit(lambda b, t: vocab_blocks.embedding(b, t, jnp.float32))(blocks, tokens)
+    got = jax.jit(lambda b, t: vocab_blocks.embedding(b, t, jnp.float32, native))(blocks, tokens)
     np.testing.assert_array_equal(np.asarray(got), whole[tokens])
     x = np.random.default_rng(rows).standard_normal((rows, 64)).astype(np.float32)
-    logits = jax.jit(lambda x, b: vocab_blocks.vocab_linear(x, b, native=native))(x, blocks)
+    logits = jax.jit(lambda x, b: vocab_blocks.vocab_linear(x, b, native=native,
+                                                         lanes=native))(x, blocks)
     assert logits.shape == (rows, 96) and logits.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(logits), x @ whole.T, rtol=1e-5, atol=1e-4)
 
@@ -385,7 +425,8 @@ def test_default_model_keeps_its_gguf_blocks(default_gguf):
     quant = dict(model.quant)
     packed = model.native_matmuls  # on CPU with its kernel: 4-bit values two a byte
     assert quant["embed"] == QuantFormat(8, 32)          # Q8_0 in the file
-    assert quant["layers.w_up"] == QuantFormat(4, 32, True, packed=packed)  # Q4_1 in the file
+    assert quant["layers.w_up"] == QuantFormat(4, 32, True, packed=packed,  # Q4_1 in the file
+                                               lanes=packed)
     assert model.layers.w_up[...].dtype == (jnp.uint8 if packed else jnp.int8)
     assert model.layers.w_up[...].shape == (30, 1536, 576 // (2 if packed else 1))
     assert model.layers.w_up_min[...].shape == (30, 1536, 576 // 32)
@@ -412,7 +453,8 @@ def test_default_model_int4_head_keeps_its_frequent_rows_in_8_bits(default_gguf)
     quant, top = dict(model.quant), model.top_params()
     rows = vocab_blocks.FREQUENT_ROWS
     assert quant["embed"] == QuantFormat(8, 32)
-    assert quant["embed_rare"] == QuantFormat(4, 32, True, packed=model.native_matmuls)
+    assert quant["embed_rare"] == QuantFormat(4, 32, True, packed=model.native_matmuls,
+                                              lanes=model.native_matmuls)
     index = open_gguf(default_gguf)
     tensor = next(t for t in index.tensors if t.name == "token_embd.weight")
     file = repack(index.raw(tensor), tensor.tensor_type, tuple(reversed(tensor.shape)))
@@ -422,7 +464,7 @@ def test_default_model_int4_head_keeps_its_frequent_rows_in_8_bits(default_gguf)
     want = quantize(rest, QuantFormat(4, 32, True))
     got = np.asarray(top["embed_rare"])
     if model.native_matmuls:
-        got = np.asarray(quantization.unpack(jnp.asarray(got), symmetric=False))
+        got = np.asarray(quantization.unpack(jnp.asarray(got), symmetric=False, lanes=True))
     np.testing.assert_array_equal(got, want["q"])
     np.testing.assert_array_equal(np.asarray(top["embed_rare_min"]), want["min"])
     held, as_float32 = weight_bytes(nnx.to_pure_dict(nnx.state(model)))
@@ -475,7 +517,7 @@ def _as_held(scheme: str, model):
     """`--quantization scheme`'s format for wq as `model` holds it: 4 bits packed where its
     matmuls run in the CPU kernel (ops/quantized_linear.runs_native)."""
     fmt = quantization.scheme_format(scheme, "wq")
-    return quantized_linear.packed_formats({"wq": fmt})["wq"] if model.native_matmuls else fmt
+    return quantized_linear.held_formats(model.dtype, {"wq": fmt}, sharded=False)["wq"]
 
 
 @pytest.fixture

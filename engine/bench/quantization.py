@@ -61,7 +61,7 @@ def make_weights(fmt: QuantFormat | None, layers: int, out_f: int, in_f: int, dt
             return w.astype(dtype)
         parts = quantize(w, fmt, xp=jnp)
         if fmt.packed:
-            return parts | {"q": pack(parts["q"], not fmt.has_min, xp=jnp)}
+            return parts | {"q": pack(parts["q"], not fmt.has_min, lanes=fmt.lanes, xp=jnp)}
         return parts | {"q": parts["q"].astype(fmt.storage_dtype())}
     return jax.jit(init)(jax.random.key(seed))
 

@@ -7,7 +7,8 @@
 //
 // w is one layer l of a stacked parameter: values q[L, O, I] (one per int8: int4 in
 // [-8, 7], GGUF Q4_1's [0, 15] or int8) or 4-bit values packed two a byte, uint8
-// [L, O, I / 2] (ops/quantization.pack), with per group of G = I / gs inputs of one output
+// [L, O, I / 2] (ops/quantization.pack with lanes: each whole group of 16 blocks in the
+// order `PackedColumns` reads), with per group of G = I / gs inputs of one output
 // row a float16 scale and, optionally, a float16 minimum:
 //
 //     w[o, i] = q[l, o, i] * scale[l, o, i / gs] (+ min[l, o, i / gs])
@@ -135,8 +136,9 @@ inline const uint8_t* PackedRowStart(const Problem& p, int64_t o, float* sc, flo
 // laid out as a packed block's nibbles are: per quad of 4 blocks, 64 bytes for the values at
 // the low nibbles' places (each block's inputs 0-15), 64 for those at the high ones' (16-31);
 // high bytes first, then middle, then low. Each whole group of 16 blocks (4 quads) is then
-// held as `PackedTile` reads its weights there: transposed (TransposeQuads), quad slot k
-// holding part k (inputs 4k .. 4k + 3, and 16 on) of the 16 blocks, a block a 32-bit lane.
+// held as the weights are held there (ops/quantization.to_lanes): transposed
+// (TransposeQuads), quad slot k holding part k (inputs 4k .. 4k + 3, and 16 on) of the 16
+// blocks, a block a 32-bit lane.
 //
 // Why integers for every row count: each output is then the same operations, in the same
 // order, for a row whatever else the call holds (a lone decode, 64 of them, a prompt's
@@ -207,8 +209,11 @@ void Prepare(const float* x, int64_t T, int64_t I, int bits, Prepared* out) {
 // Output rows [r0, r1) for N rows of x starting at row t0 (as `p.prep` holds them), from packed
 // 4-bit values, C output rows at a time (simd.h's kColumns: they share the loads of x).
 //
-// A whole group of 16 blocks (4 quads, 256 bytes of a row) is loaded and transposed
-// (TransposeQuads: a block a 32-bit lane), its nibbles split once for the N rows; for each row
+// A whole group of 16 blocks (256 bytes of a row) is held with a block a 32-bit lane
+// (ops/quantization.to_lanes: 4 registers, part k of every block's 16 bytes in the k-th, as
+// `Prepare` transposes x's bytes with TransposeQuads; so transposed at load, not by every
+// token: a lone row's products took 0.85x the time on AVX2), loaded and its nibbles split
+// once for the N rows; for each row
 // and each of x's D bytes, 8 integer dot products sum a block's 32 products in its lane,
 // exact: h (the high bytes', |h| <= 32 * 15 * 128) and m, l (<= 32 * 15 * 255). Then per
 // block one float, 65536 * h + 256 * m + l rounded once (256 * h + m is exact in float32, as
@@ -249,10 +254,10 @@ __attribute__((always_inline)) inline void PackedColumns(
     Bytes lo[C][4], hi[C][4];
     Floats ws[C];
     for (int c = 0; c < C; ++c) {
-      Bytes quads[4], parts[4];
-      for (int q = 0; q < 4; ++q) quads[q] = LoadB(qo[c] + 256 * g + 64 * q);
-      TransposeQuads(quads, parts);
-      for (int k = 0; k < 4; ++k) lo[c][k] = LowNibbles(parts[k]), hi[c][k] = HighNibbles(parts[k]);
+      for (int k = 0; k < 4; ++k) {  // held in this order (see `PackedColumns`)
+        const Bytes part = LoadB(qo[c] + 256 * g + 64 * k);
+        lo[c][k] = LowNibbles(part), hi[c][k] = HighNibbles(part);
+      }
       ws[c] = Load(block_scale[c] + 16 * g);
     }
     for (int t = 0; t < N; ++t) {
