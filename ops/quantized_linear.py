@@ -220,11 +220,11 @@ def _packed_linear(x: jax.Array, w: dict, out_dtype, chunked: bool, wide=None,
     each block of 32), two dots summed (in `wide`, when given, rounded from x's dtype).
     Interleaving the nibbles back into [O, I] first ran slower at 16-64 rows
     (docs/performance-log.md, "A CPU kernel for quantized matmuls, and 4-bit weights two a
-    byte"). Values in the CPU kernel's order (`lanes`) meet x's inputs put in that order,
-    their whole groups of 16 blocks dequantized as [O, groups, 4, 16, 4] (`to_lanes`), a
-    scale per block broadcast along two axes, and contracted so; the blocks after them in
-    one more product. Reordering the values back as they are read, or broadcasting each
-    block's scale to [O, I / 2] in their order, cost 10-23% at 16 rows."""
+    byte"). Values in the CPU kernel's order (`lanes`) meet x's inputs put in that order:
+    their whole groups of 16 blocks dequantize as [O, groups, 4, 16, 4] (`to_lanes`), a
+    block's scale broadcast along its parts and bytes, then flattened for the dot; the
+    blocks after them go in a second dot. Reordering the values back as they are read, or
+    each block's scale broadcast to [O, I / 2] in their order, cost 10-23% at 16 rows."""
     rows_x, cols = x.shape
     xw = x.astype(wide or x.dtype)
     blocks = cols // BLOCK

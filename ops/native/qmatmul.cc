@@ -254,7 +254,7 @@ __attribute__((always_inline)) inline void PackedColumns(
     Bytes lo[C][4], hi[C][4];
     Floats ws[C];
     for (int c = 0; c < C; ++c) {
-      for (int k = 0; k < 4; ++k) {  // held in this order (see `PackedColumns`)
+      for (int k = 0; k < 4; ++k) {  // part k of the 16 blocks (ops/quantization.to_lanes)
         const Bytes part = LoadB(qo[c] + 256 * g + 64 * k);
         lo[c][k] = LowNibbles(part), hi[c][k] = HighNibbles(part);
       }
