@@ -85,8 +85,8 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
     out = out_dtype or x.dtype
     wide = wide_dtype if wide_dtype is not None and x.shape[0] > NATIVE_MAX_ROWS else None
     dot = functools.partial(_dot_t, out_dtype=out)
-    if isinstance(w, dict) and not native and not int8_activations:
-        y = _stacked_kernel(x, w, out_dtype)
+    if isinstance(w, dict) and not native and not int8_activations and not lanes:
+        y = _stacked_kernel(x, w, out_dtype)  # (it reads packed values in `pack`'s order)
         if y is not None:
             return y
     if native and native_fits(x, w, any_rows, lanes):
@@ -363,7 +363,8 @@ def linears(x: jax.Array, ws: list, *, native: bool = False, **kwargs) -> list[j
     if (native and 1 < len(ws) <= NATIVE_MAX_MATRICES
             and all(native_fits(x, w, any_rows, kwargs.get("lanes", False)) for w in ws)):
         return native_linears(x, ws, kwargs.get("x_bits", FULL_X_BITS))
-    if not native and not kwargs.get("int8_activations") and len(ws) > 1:
+    if (not native and not kwargs.get("int8_activations") and not kwargs.get("lanes")
+            and len(ws) > 1):
         # one ops/pallas_gpu_matmul kernel for all where it takes each, alike, of one layer
         found = [_kernel_operands(x, w) if isinstance(w, dict) else None for w in ws]
         if (all(f is not None and f[1] is found[0][1] for f in found)
