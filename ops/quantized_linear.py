@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ops import native, pallas_gpu_matmul
-from ops.quantization import BLOCK, LANE_BLOCKS, dequantize
+from ops.quantization import BLOCK, LANE_BLOCKS, dequantize, to_lanes
 
 NATIVE_MAX_ROWS = 8  # the most rows ops/native's kernel takes, unless `any_rows` (below)
 # The largest dequantized block at more than one row (the fastest size measured,
@@ -230,10 +230,13 @@ def _packed_linear(x: jax.Array, w: dict, out_dtype, chunked: bool, wide=None,
     blocks = cols // BLOCK
     whole = blocks // LANE_BLOCKS * LANE_BLOCKS if lanes else 0
     halves = xw.reshape(rows_x, blocks, 2, BLOCK // 2)
-    if whole:  # [T, groups, 16 blocks, 4 parts, 4] -> [T, groups, 4 parts, 16 blocks, 4]
-        xg = halves[:, :whole].reshape(rows_x, whole // LANE_BLOCKS, LANE_BLOCKS, 2, 4, 4)
-        xg = [xg[:, :, :, h].swapaxes(2, 3).reshape(rows_x, -1) for h in (0, 1)]
-    xt = [halves[:, whole:, h].reshape(rows_x, -1) for h in (0, 1)]
+    # each input where its value's byte is: x's first and last 16 of each block as the
+    # values' low and high nibbles are held
+    x_lo, x_hi = (halves[:, :, h].reshape(rows_x, cols // 2) for h in (0, 1))
+    if lanes:
+        x_lo, x_hi = to_lanes(x_lo, xp=jnp), to_lanes(x_hi, xp=jnp)
+    cut = whole * BLOCK // 2
+    xg, xt = [x_lo[:, :cut], x_hi[:, :cut]], [x_lo[:, cut:], x_hi[:, cut:]]
     symmetric = "min" not in w
 
     def product(_, b):
