@@ -17,8 +17,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 LAYER_LOOPS = ("auto", "scan", "unroll", "scan-pallas")
 # The --cpu-kernels choices: ops.native.CHOICES (held equal by a test).
 CPU_KERNELS = ("auto", "avx512", "avx2", "neon", "portable", "none")
-CPU_MATMUL_DTYPES = ("float32", "bfloat16")  # ops.quantized_linear.WIDE_DTYPES
-CPU_ACTIVATION_DTYPES = ("float32", "int8")  # ops.quantized_linear.X_BITS's keys
+CPU_MATMUL_DTYPES = ("float32", "bfloat16")  # ops.xla_linear.WIDE_DTYPES
+CPU_ACTIVATION_DTYPES = ("float32", "int8")  # ops.cpu_linear.X_BITS's keys
 # The --task and --pooling choices (EngineConfig.task, .pooling; models.pooling's modes).
 TASKS = ("auto", "generate", "embed")
 POOLING_TYPES = ("auto", "mean", "cls", "last")
@@ -112,7 +112,7 @@ class EngineConfig:
     # the reference attention). Applied before the engine loads its model.
     cpu_kernels: str = "auto"
     # The dtype XLA's products of more than 8 rows on a CPU (a prompt's chunks, batches of
-    # decodes) multiply in, for a float32 model: "bfloat16" (ops.quantized_linear.wide_dtype:
+    # decodes) multiply in, for a float32 model: "bfloat16" (ops.xla_linear.wide_dtype:
     # several times faster prompts where the CPU has AMX, but a greedy request's tokens then
     # depend on what shares its steps) or float32.
     cpu_matmul_dtype: str = "float32"
@@ -120,7 +120,7 @@ class EngineConfig:
     # decodes, drafting steps): "float32" (24-bit integers per block of 32, float32's own
     # precision) or "int8" (8 bits per block of 32, as llama.cpp's Q8 activations: a third of
     # the dot products, for CPUs whose lone decode is bound by them, such as AVX2 without
-    # VNNI; ops.quantized_linear.X_BITS).
+    # VNNI; ops.cpu_linear.X_BITS).
     cpu_activation_dtype: str = "float32"
     # "dummy": random weights of the model's shapes instead of its files (benchmarks).
     load_format: str = "auto"

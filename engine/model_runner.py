@@ -45,8 +45,8 @@ from models.loader import (
 from models.run_options import set_run_options
 from models.sharding import kv_cache_sharding, make_mesh, replicated, sharded_config
 from ops import native
+from ops.cpu_linear import FULL_X_BITS
 from ops.kv_cache import QUANTIZED_KV, KVCache, kv_specs, resolve_kv_dtype
-from ops.quantized_linear import FULL_X_BITS
 from ops.sampling_metadata import NUM_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)

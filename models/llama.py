@@ -39,10 +39,11 @@ from models.rope import apply_rope, rope_inv_freq
 from models.smoothing import record
 from ops.attention import AttentionMetadata, ragged_paged_attention, resolve_backend
 from ops.attention import prepare as prepare_attention
+from ops.cpu_linear import FULL_X_BITS, runs_native
 from ops.invariant import mean_square
 from ops.kv_cache import KVCache, write_kv
 from ops.quantization import QuantFormat
-from ops.quantized_linear import FULL_X_BITS, linear, linears, runs_native, stacked
+from ops.quantized_linear import linear, linears, stacked
 from ops.vocab_blocks import embedding, vocab_linear
 
 # llama.cpp's tensor names within `blk.{i}.` -> HF's within `model.layers.{i}.` (Llama).

@@ -50,8 +50,9 @@ from models.known_models import model_arg
 from models.loader import load_model, model_format
 from models.run_options import LAYER_LOOPS, set_run_options
 from models.tokenizer import Tokenizer
+from ops.cpu_linear import X_BITS
 from ops.quantization import SCHEMES
-from ops.quantized_linear import WIDE_DTYPES, X_BITS
+from ops.xla_linear import WIDE_DTYPES
 
 GAP_TOLERANCE = 1e-3
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import jax
 
-from ops.quantized_linear import X_BITS, wide_dtype
+from ops.cpu_linear import X_BITS
+from ops.xla_linear import wide_dtype
 
 # The --layer-loop choices (engine.config.LAYER_LOOPS, held equal by a test).
 LAYER_LOOPS = ("auto", "scan", "unroll", "scan-pallas")
@@ -29,9 +30,9 @@ def set_run_options(model, *, layer_loop: str = "auto", batch_invariant: bool = 
       lone decode over the threads, so a row's numbers do not depend on its batch
       (docs/architecture.md, "Batch-invariant rows").
     - `cpu_matmul_dtype`: the dtype XLA's products of many rows multiply in on a CPU
-      (ops.quantized_linear.wide_dtype; `wide_dtype` None: the model's own).
+      (ops.xla_linear.wide_dtype; `wide_dtype` None: the model's own).
     - `cpu_activation_dtype`: "int8" has ops/native's products with packed 4-bit weights
-      take x in 8 bits per block of 32 (ops.quantized_linear.X_BITS), "float32" in 24."""
+      take x in 8 bits per block of 32 (ops.cpu_linear.X_BITS), "float32" in 24."""
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, got {layer_loop!r}")
     model.unroll_layers = layer_loop == "unroll" and not model.native_matmuls

@@ -9,7 +9,7 @@ Why: the model scans its layers over stacked weights [L, O, I], and XLA:GPU copi
 layer's [O, I] slice out of the stack before its cuBLAS product, three passes over the
 bytes where one would do (docs/performance-log.md, "Weights read in place on an H100", has
 the times). At one row a multiply and a sum also reads in place
-(ops/quantized_linear.row_sums); from a few rows up a dot is needed, and this kernel takes
+(ops/xla_linear.row_sums); from a few rows up a dot is needed, and this kernel takes
 the whole stack and the layer index, so nothing is copied. XLA's own int4 products read
 0.02-0.13 of the copy rate on an H200 at 1 and 64 rows ("The first in-place-weights run on
 a GPU"), so group formats come here at one row too.

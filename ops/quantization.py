@@ -14,7 +14,7 @@ value for value (models/gguf_loader.py).
 Scales and minimums are float16 (GGUF's own type, so its blocks stay exact; float sources
 round their scales to it before quantizing, as llama.cpp does).
 
-Where xlaserve's CPU kernel runs a model's matmuls (ops/quantized_linear.py `runs_native`),
+Where xlaserve's CPU kernel runs a model's matmuls (ops/cpu_linear.py `runs_native`),
 its 4-bit matrices are packed two values a byte (`pack`), each whole group of 16 blocks in
 the order the kernel reads (`to_lanes`). Without the kernel (no C++
 compiler, a failed build, --cpu-kernels none, a mesh, or bfloat16 activations),

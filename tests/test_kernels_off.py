@@ -23,8 +23,8 @@ from conftest import SERVER_KEY
 from models.known_models import SERVED_NAME
 from ops import native
 from ops.attention import resolve_backend
+from ops.cpu_linear import runs_native
 from ops.quantization import scheme_format
-from ops.quantized_linear import runs_native
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS_FILE = "kernels_off_greedy.json"  # the child's greedy reply, in its --basetemp

@@ -21,15 +21,9 @@ from models.generate import GreedyDecoder
 from models.gguf_blocks import repack
 from models.loader import load_model
 from ops import native
+from ops.cpu_linear import NATIVE_MAX_ROWS, native_fits, native_linears
 from ops.quantization import QuantFormat, pack, quantize, scheme_format, unpack
-from ops.quantized_linear import (
-    NATIVE_MAX_ROWS,
-    linear,
-    linears,
-    native_fits,
-    native_linears,
-    stacked,
-)
+from ops.quantized_linear import linear, linears, stacked
 
 # The kernel's own tests; the fallback's (test_without_a_compiler_xla_runs_instead) run on
 # every machine, those that cannot build the kernel above all.

@@ -1,4 +1,5 @@
-"""Quantization (ops/quantization.py, ops/quantized_linear.py, ops/vocab_blocks.py): GGUF
+"""Quantization (ops/quantization.py, ops/quantized_linear.py, ops/xla_linear.py,
+ops/cpu_linear.py, ops/vocab_blocks.py): GGUF
 blocks taken over bit for bit, the quantized matmul against float references (weight-only,
 and w8a8's int8 x int8), and quantized checkpoints."""
 
@@ -15,9 +16,9 @@ from flax import nnx
 
 from models.gguf_blocks import EXACT, KEPT, common_format, repack, widen
 from models.gguf_file import open_gguf
-from ops import quantization, quantized_linear, vocab_blocks
+from ops import cpu_linear, quantization, vocab_blocks, xla_linear
 from ops.quantization import QuantFormat, dequantize, quantize
-from ops.quantized_linear import linear
+from ops.quantized_linear import held_formats, linear
 
 T = gguf.GGMLQuantizationType
 
@@ -187,8 +188,8 @@ def test_int4_scale_is_the_first_value_of_largest_magnitude(xp):
 def test_quantized_matmul_matches_float(name, rows, blocks, monkeypatch):
     fmt, tolerance = FORMATS[name]
     # blocks=4: group formats at more than one row dequantize a quarter of the rows at a time
-    monkeypatch.setattr(quantized_linear, "CHUNK_BYTES", 40 * 128 * 4 // blocks)
-    assert quantized_linear.chunk_rows(40, 128 * 4) == 40 // blocks
+    monkeypatch.setattr(xla_linear, "CHUNK_BYTES", 40 * 128 * 4 // blocks)
+    assert xla_linear.chunk_rows(40, 128 * 4) == 40 // blocks
     w = _weight(40, 128)
     parts = quantize(w, fmt)
     assert parts["scale"].shape == (40, fmt.scale_columns(128))
@@ -220,7 +221,7 @@ def test_many_rows_multiply_in_the_wide_dtype(name):
         if "packed" in name:
             parts["q"] = quantization.pack(parts["q"], not fmt.has_min)
     bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16), np.float64)
-    rows = quantized_linear.NATIVE_MAX_ROWS + 8
+    rows = cpu_linear.NATIVE_MAX_ROWS + 8
     x = np.random.default_rng(3).standard_normal((rows, 128)).astype(np.float32)
     wide = jax.jit(lambda x, w: linear(x, w, wide_dtype=jnp.bfloat16))
     got = np.asarray(wide(x, parts))
@@ -230,25 +231,25 @@ def test_many_rows_multiply_in_the_wide_dtype(name):
     rounded = dense.astype(np.float64) if name == "int8 per channel" else bf16(dense)
     assert rel(got, bf16(x) @ rounded.T) < 1e-5
     assert rel(got, x.astype(np.float64) @ dense.astype(np.float64).T) > 5e-4  # rounded
-    few = x[:quantized_linear.NATIVE_MAX_ROWS]
+    few = x[:cpu_linear.NATIVE_MAX_ROWS]
     np.testing.assert_array_equal(np.asarray(wide(few, parts)),
                                   np.asarray(jax.jit(linear)(few, parts)))
 
 
 def test_wide_dtype_is_bfloat16_only_when_asked_for_a_float32_model():
-    assert quantized_linear.wide_dtype(jnp.float32) is None  # the default: float32
-    assert quantized_linear.wide_dtype(jnp.float32, "float32") is None
-    assert quantized_linear.wide_dtype(jnp.float32, "bfloat16") == jnp.bfloat16
-    assert quantized_linear.wide_dtype(jnp.bfloat16, "bfloat16") is None  # already narrow
+    assert xla_linear.wide_dtype(jnp.float32) is None  # the default: float32
+    assert xla_linear.wide_dtype(jnp.float32, "float32") is None
+    assert xla_linear.wide_dtype(jnp.float32, "bfloat16") == jnp.bfloat16
+    assert xla_linear.wide_dtype(jnp.bfloat16, "bfloat16") is None  # already narrow
     with pytest.raises(ValueError, match="one of float32, bfloat16"):
-        quantized_linear.wide_dtype(jnp.float32, "float16")
+        xla_linear.wide_dtype(jnp.float32, "float16")
     from engine.config import CPU_MATMUL_DTYPES, EngineConfig
-    assert CPU_MATMUL_DTYPES == quantized_linear.WIDE_DTYPES
+    assert CPU_MATMUL_DTYPES == xla_linear.WIDE_DTYPES
     with pytest.raises(ValueError, match="cpu_matmul_dtype"):
         EngineConfig(model="m", cpu_matmul_dtype="float16")
     # --cpu-activation-dtype: the engine's names are the kernel's widths' names
     from engine.config import CPU_ACTIVATION_DTYPES
-    assert CPU_ACTIVATION_DTYPES == tuple(quantized_linear.X_BITS)
+    assert CPU_ACTIVATION_DTYPES == tuple(cpu_linear.X_BITS)
     assert EngineConfig(model="m").cpu_activation_dtype == "float32"
     with pytest.raises(ValueError, match="cpu_activation_dtype"):
         EngineConfig(model="m", cpu_activation_dtype="int4")
@@ -262,7 +263,7 @@ def test_one_row_as_a_gpu_runs_it(monkeypatch, fmt, storage):
     """On a GPU one row is a multiply and a sum, no dot, for float weights and every
     weight-only format (4-bit values in the GPU's own 4-bit dtypes too), sliced out of a
     layer stack as the model does: the same product."""
-    monkeypatch.setattr(quantized_linear, "reduces_one_row", lambda: True)
+    monkeypatch.setattr(xla_linear, "reduces_one_row", lambda: True)
     stack = np.stack([_weight(40, 128, seed=s) for s in (0, 1)])
     if fmt is None:
         parts, dense = jnp.asarray(stack), stack
@@ -321,7 +322,7 @@ def test_packed_values_in_the_kernels_order_are_the_same_weights(cols, has_min):
         tokens, held)
     np.testing.assert_array_equal(np.asarray(rows), dense[tokens])
     x = np.random.default_rng(cols).standard_normal(
-        (quantized_linear.NATIVE_MAX_ROWS + 4, cols)).astype(np.float32)
+        (cpu_linear.NATIVE_MAX_ROWS + 4, cols)).astype(np.float32)
     got = jax.jit(lambda x, w: linear(x, w, lanes=True))(x, held)
     want = jax.jit(linear)(x, {**parts, "q": blocks})
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
@@ -515,9 +516,9 @@ def test_quantization_plans(default_gguf, tmp_path):
 
 def _as_held(scheme: str, model):
     """`--quantization scheme`'s format for wq as `model` holds it: 4 bits packed where its
-    matmuls run in the CPU kernel (ops/quantized_linear.runs_native)."""
+    matmuls run in the CPU kernel (ops/cpu_linear.runs_native)."""
     fmt = quantization.scheme_format(scheme, "wq")
-    return quantized_linear.held_formats(model.dtype, {"wq": fmt}, sharded=False)["wq"]
+    return held_formats(model.dtype, {"wq": fmt}, sharded=False)["wq"]
 
 
 @pytest.fixture
@@ -568,7 +569,7 @@ def test_materialized_counts_written_matrices_not_a_fusions_insides():
     written by a fusion of the entry computation counts; the weight multiplied inside the
     fusion that sums it (one row on a GPU) writes nothing and does not."""
     from engine.bench.quantization import materialized
-    from ops.quantized_linear import row_sums
+    from ops.xla_linear import row_sums
     w, x = jnp.ones((3, 96, 64), jnp.float32), jnp.ones((1, 64), jnp.float32)
     f = jax.jit(lambda x, w, i: row_sums(x, jax.lax.dynamic_index_in_dim(w, i, 0, False)))
     hlo = f.lower(x, w, 1).compile().as_text()

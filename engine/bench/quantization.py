@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from engine.bench.attention import measure_ceilings, rel_err, time_median
 from ops.pallas_gpu_matmul import stacked_matmul
 from ops.quantization import QuantFormat, dequantize, held_bytes, pack, quantize
-from ops.quantized_linear import linear, row_sums
+from ops.quantized_linear import linear
+from ops.xla_linear import row_sums
 
 FORMATS = {"float": None, "int8": QuantFormat(8, 0), "int4": QuantFormat(4, 32, has_min=True),
            # candidates: `row_sums` (one row on a GPU) at any row count; int4 packed two a

@@ -1,8 +1,8 @@
 // Copyright 2026 The xlaserve Authors. SPDX-License-Identifier: Apache-2.0
 //
 // y[T, O] = x[T, I] @ w[O, I]^T for a quantized w, as an XLA FFI custom call on CPU
-// (ops/native/__init__.py builds and registers it; ops/quantization.linear calls it), for up
-// to 4 matrices w of the same layer at once (ops/quantization.linears: a layer's q, k and v
+// (ops/native/__init__.py builds and registers it; ops/cpu_linear.py calls it), for up to 4
+// matrices w of the same layer at once (ops/quantized_linear.linears: a layer's q, k and v
 // projections, its gate and up ones).
 //
 // w is one layer l of a stacked parameter: values q[L, O, I] (one per int8: int4 in

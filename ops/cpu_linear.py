@@ -1,0 +1,93 @@
+"""Quantized matmuls of a few rows on CPU through xlaserve's own kernel (ops/native/qmatmul.cc,
+an XLA FFI custom call built on first use): `linear` (ops/quantized_linear.py) hands a
+product here where `native_fits` says the kernel takes it.
+
+Up to NATIVE_MAX_ROWS rows of float32 on one CPU device (any number under --batch-invariant,
+`any_rows`). The kernel converts 8-bit values to float in registers and multiplies in
+float32; 4-bit values run as exact integer dot products with each block of 32 inputs of a
+row held as 24-bit integers, float32's precision at the block's largest value (`x_bits` 24),
+or as 8-bit ones (`x_bits` 8, --cpu-activation-dtype int8: a third of the dot products,
+llama.cpp's Q8 activations' precision); the output rows are split over XLA's intra-op
+threads. Each row's result is the same sequence of operations whatever the other rows are,
+so a row's numbers do not depend on its batch (XLA's dot gives no such promise; at many rows
+it is faster). XLA's own one-row product runs on one thread, and at a few rows XLA
+materializes the dequantized matrix before its dot. A model whose matmuls run here
+(`runs_native`) holds its 4-bit matrices packed two values a byte (ops/quantization.pack), in
+the order the kernel reads them (ops/quantized_linear.held_formats): half the memory, and half
+the bytes a lone decode reads. A layer of a stacked matrix reaches the kernel as the whole
+stack and an index (ops/quantized_linear.stacked): XLA copies a slice before a custom call
+reads it (docs/performance-log.md, "A CPU kernel for quantized matmuls, and 4-bit weights two
+a byte").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ops import native
+from ops.quantization import BLOCK
+
+NATIVE_MAX_ROWS = 8  # the most rows the kernel takes, unless `any_rows` (native_fits)
+NATIVE_MAX_MATRICES = 4  # the most matrices one call of it multiplies the same rows by
+# --cpu-activation-dtype: the bits each input of x keeps in the kernel's products with packed
+# 4-bit weights (per block of 32, scaled to the block's largest |x|)
+X_BITS = {"float32": 24, "int8": 8}
+FULL_X_BITS = X_BITS["float32"]  # the default: float32's precision at each block's largest |x|
+
+
+def runs_native(dtype, quant: dict, *, sharded: bool) -> bool:
+    """Whether a model's quantized matmuls of a few rows run in ops/native's kernel: float32
+    activations, weight-only formats, one CPU device (XLA splits the matmuls under a
+    mesh), and a kernel that could be built here. Such a model also holds its 4-bit
+    matrices packed (ops/quantized_linear.held_formats)."""
+    return bool(quant and not sharded and jnp.dtype(dtype) == jnp.float32
+                and not any(fmt.activations for fmt in quant.values())
+                and jax.default_backend() == "cpu" and native.available("qmatmul"))
+
+
+def native_fits(x: jax.Array, w, any_rows: bool = False, lanes: bool = False) -> bool:
+    """Whether ops/native's kernel takes this product: float32 rows (up to NATIVE_MAX_ROWS
+    of them, or any number with `any_rows`), and a matrix of one-per-int8 values with
+    float16 scales per group of a multiple of 16 inputs (every format of SCHEMES but
+    w8a8's, and GGUF's), or of packed values in its order (`lanes`) with groups of 32 times
+    a power of two."""
+    if (not isinstance(w, dict) or x.dtype != jnp.float32 or x.ndim != 2
+            or x.shape[0] < 1 or (x.shape[0] > NATIVE_MAX_ROWS and not any_rows)):
+        return False
+    q, scale = w["q"], w["scale"]
+    packed = q.dtype == jnp.uint8
+    groups, cols = scale.shape[-1], q.shape[-1] * (2 if packed else 1)
+    return (((packed and lanes) or q.dtype == jnp.int8) and scale.dtype == jnp.float16
+            and cols == x.shape[1] and cols % groups == 0
+            and (cols // groups) % (BLOCK if packed else 16) == 0 and groups <= 1024
+            and not (packed and (cols // groups // BLOCK) & (cols // groups // BLOCK - 1))
+            and q.ndim == (3 if "layer" in w else 2) and native.available("qmatmul"))
+
+
+def native_linear(x: jax.Array, w: dict, x_bits: int = FULL_X_BITS) -> jax.Array:
+    """x [T, I] float32 @ w^T -> [T, O] float32 through ops/native/qmatmul.cc."""
+    return native_linears(x, [w], x_bits)[0]
+
+
+def native_linears(x: jax.Array, ws: list[dict], x_bits: int = FULL_X_BITS) -> list[jax.Array]:
+    """x times each of up to 4 matrices (one layer index for all), in one call of
+    ops/native/qmatmul.cc: their rows are split over the threads together. `x_bits` (24 or
+    8): the bits x keeps per block of 32 where a matrix is packed 4-bit (X_BITS)."""
+    if x_bits not in X_BITS.values():
+        raise ValueError(f"x_bits must be 24 or 8, got {x_bits!r}")
+    layer = ws[0].get("layer")
+    if any(w.get("layer") is not layer for w in ws):
+        raise ValueError("matrices in one native call share one layer index")
+    operands = []
+    for w in ws:
+        q, scale, minimum = w["q"], w["scale"], w.get("min")
+        if layer is None:  # a matrix outside the stack (the LM head): a stack of one
+            q, scale = q[None], scale[None]
+            minimum = None if minimum is None else minimum[None]
+        operands += [q, scale, jnp.zeros((0,), jnp.float16) if minimum is None else minimum]
+    call = jax.ffi.ffi_call(native.QMATMUL, [
+        jax.ShapeDtypeStruct((x.shape[0], w["q"].shape[-2]), jnp.float32) for w in ws])
+    return list(call(x, jnp.asarray(0 if layer is None else layer, jnp.int32), *operands,
+                     x_bits=np.int32(x_bits)))
