@@ -112,20 +112,43 @@ class SpeculativeConfig:
         return max(1, max_num_seqs // (self.num_speculative_tokens + 1))
 
 
+def _longest_earlier_match(ids: list[int], longest: int) -> tuple[int, int]:
+    """(n, j): the most tokens n (at most `longest`, <= len(ids) - 1) up to an earlier
+    position j (j < len(ids) - 1) equal to the last n tokens, j the latest such position;
+    (0, -1) when the last token occurs nowhere earlier. Found from the last token's earlier
+    positions (list.index, a scan in C), each extended back while it still matches, the
+    latest first: a 700-token sequence takes ~10-20 us, where a pass over the sequence per
+    suffix length took ~0.1-0.6 ms."""
+    last = len(ids) - 1
+    token, positions, j = ids[last], [], -1
+    try:
+        while True:
+            j = ids.index(token, j + 1, last)
+            positions.append(j)
+    except ValueError:
+        pass
+    best, at = 0, -1
+    for j in reversed(positions):
+        n = 1
+        while n < longest and n <= j and ids[j - n] == ids[last - n]:
+            n += 1
+        if n > best:
+            best, at = n, j
+            if n == longest:
+                break
+    return best, at
+
+
 def propose(token_ids: list[int] | np.ndarray, k: int, lookup_max: int,
             lookup_min: int) -> list[int]:
     """Prompt lookup: the k tokens that followed the latest earlier occurrence of the longest
     suffix (lookup_max down to lookup_min tokens) of `token_ids`; [] when none occurs."""
-    ids = np.asarray(token_ids, np.int64)
-    n_total = len(ids)
-    for n in range(min(lookup_max, n_total - 1), lookup_min - 1, -1):
-        suffix = ids[n_total - n:]
-        windows = np.lib.stride_tricks.sliding_window_view(ids[:n_total - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n  # the token after the latest occurrence
-            return ids[start:start + k].tolist()
-    return []
+    ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
+    longest = min(lookup_max, len(ids) - 1)
+    if longest < lookup_min:
+        return []
+    n, j = _longest_earlier_match(ids, longest)
+    return ids[j + 1:j + 1 + k] if n >= lookup_min else []
 
 
 def may_match(token_ids: list[int] | np.ndarray, lookup_min: int) -> bool:
@@ -135,13 +158,12 @@ def may_match(token_ids: list[int] | np.ndarray, lookup_min: int) -> bool:
     token after them. Checked while that step runs, so that a sequence outside any repeated
     text keeps its steps overlapped instead of waiting for a token to look up nothing."""
     n = lookup_min - 1
-    ids = np.asarray(token_ids, np.int64)
+    ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
     if n <= 0:
         return len(ids) > 0
     if len(ids) <= n:
         return False
-    windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
-    return bool((windows == ids[-n:]).all(axis=1).any())
+    return _longest_earlier_match(ids, n)[0] >= n
 
 
 def kept_average(acceptance: float, rate: float, proposed: int, accepted: int) -> float:
