@@ -112,6 +112,11 @@ class SpeculativeConfig:
         return max(1, max_num_seqs // (self.num_speculative_tokens + 1))
 
 
+def _as_list(token_ids: list[int] | np.ndarray) -> list[int]:
+    """The ids as a list, without a copy when they are one (read only here)."""
+    return token_ids if isinstance(token_ids, list) else np.asarray(token_ids).tolist()
+
+
 def _longest_earlier_match(ids: list[int], longest: int) -> tuple[int, int]:
     """(n, j): the most tokens n (at most `longest`, <= len(ids) - 1) up to an earlier
     position j (j < len(ids) - 1) equal to the last n tokens, j the latest such position;
@@ -143,7 +148,7 @@ def propose(token_ids: list[int] | np.ndarray, k: int, lookup_max: int,
             lookup_min: int) -> list[int]:
     """Prompt lookup: the k tokens that followed the latest earlier occurrence of the longest
     suffix (lookup_max down to lookup_min tokens) of `token_ids`; [] when none occurs."""
-    ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
+    ids = _as_list(token_ids)
     longest = min(lookup_max, len(ids) - 1)
     if longest < lookup_min:
         return []
@@ -158,7 +163,7 @@ def may_match(token_ids: list[int] | np.ndarray, lookup_min: int) -> bool:
     token after them. Checked while that step runs, so that a sequence outside any repeated
     text keeps its steps overlapped instead of waiting for a token to look up nothing."""
     n = lookup_min - 1
-    ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
+    ids = _as_list(token_ids)
     if n <= 0:
         return len(ids) > 0
     if len(ids) <= n:
