@@ -161,7 +161,7 @@ class ModelRunner(StepTable):
         # (a child can load it again) and stores executables (the child hands them over there).
         self.compiles_in_child = (self.store is not None and own_model and self.cluster is None
                                   and jax.default_backend() == "cpu")
-        held, as_float32 = weight_bytes(nnx.to_pure_dict(self.state))
+        held, as_float32 = weight_bytes(nnx.to_pure_dict(self.state), dict(model.quant))
         self.weight_bytes = held
         logger.info(
             "%s: %s compute, %.1f MiB of weights (%.1f%% of float32)%s, %s attention, "

@@ -164,11 +164,11 @@ class Llama(nnx.Module):
         # (ops/native) on one CPU device; elsewhere XLA's dot.
         self.native_matmuls = runs_native(dtype, quant or {}, sharded=mesh is not None)
         # Packed 4-bit values in that kernel's order (ops/quantized_linear.held_formats: where
-        # it runs them), all of them or none.
+        # it runs them), all of them or none; and 8-bit ones where it multiplies bytes.
         orders = {f.lanes for f in (quant or {}).values() if f.packed}
         if len(orders) > 1:
             raise ValueError("packed 4-bit weights are held in one order")
-        self.lanes = orders == {True}
+        self.lanes = orders == {True} or any(f.lanes for f in (quant or {}).values())
         # How it runs, as models.run_options.set_run_options sets it for whoever runs it:
         # the layers unrolled, or looped with float and per-channel int8 matrices handed
         # whole to ops/pallas_gpu_matmul; batch-invariant rows; the dtype of XLA's many-row
@@ -275,7 +275,8 @@ class Llama(nnx.Module):
     # ---- the steps a family may override -----------------------------------------------
 
     def embed_tokens(self, top: dict, tokens: jax.Array) -> jax.Array:
-        return embedding(vocab_matrix(top, "embed"), tokens, self.dtype, self.lanes)
+        return embedding(vocab_matrix(top, "embed"), tokens, self.dtype, self.lanes,
+                         self.cfg.hidden_size)
 
     def norm(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """x (the float32 stream, or a sublayer's output) normed, in the compute dtype."""

@@ -162,14 +162,16 @@ def describe_quant(quant: dict) -> str:
     return ", weights " + ", ".join(f"{name} x {n}" for name, n in counts.items())
 
 
-def weight_bytes(params) -> tuple[int, int]:
+def weight_bytes(params, quant: dict) -> tuple[int, int]:
     """(bytes the parameters hold, bytes the same weights would hold in float32): what
-    quantization saves, reported at startup."""
+    quantization saves, reported at startup. `quant`: the formats the parameters are held in
+    (a packed one holds two values a byte: ops/quantization.pack)."""
+    packed = {name for name, fmt in quant.items() if fmt.packed}
     held = as_float32 = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         held += held_bytes(leaf)
-        if not str(getattr(path[-1], "key", path[-1])).endswith(("_scale", "_min")):
-            # uint8 holds two packed 4-bit values (ops/quantization.pack)
-            as_float32 += leaf.size * (8 if leaf.dtype == np.uint8 else 4)
+        name = ".".join(str(getattr(p, "key", p)) for p in path)
+        if not name.endswith(("_scale", "_min")):
+            as_float32 += leaf.size * (8 if name in packed else 4)
     return held, as_float32
 

@@ -23,7 +23,15 @@ from models.gguf_blocks import common_format
 from models.parameters import QUANTIZABLE
 from models.progress import progress_bar
 from models.registry import model_class, param_specs
-from ops.quantization import VOCAB_MATRICES, QuantFormat, dequantize, pack, quantize, scheme_format
+from ops.quantization import (
+    VOCAB_MATRICES,
+    QuantFormat,
+    dequantize,
+    pack,
+    quantize,
+    scheme_format,
+    to_lanes8,
+)
 from ops.quantized_linear import held_formats
 from ops.vocab_blocks import RARE, frequent_rows, rows_of, split_rows
 
@@ -189,11 +197,14 @@ def quantize_params(params: dict, quant: dict[str, QuantFormat], *, xp=np) -> di
 def pack_params(params: dict, quant: dict[str, QuantFormat], held: dict[str, QuantFormat],
                 *, xp=np) -> dict:
     """Nested parameters with one value per int8 in `quant`'s formats -> those `held` packs
-    two a byte (ops/quantization.pack, in the CPU kernel's order where `held` says `lanes`)."""
+    two a byte (ops/quantization.pack, in the CPU kernel's order where `held` says `lanes`),
+    or holds as 8-bit values in that order (ops/quantization.to_lanes8)."""
     flat = traverse_util.flatten_dict(params, sep=".")
     for name, fmt in held.items():
         if fmt.packed and not quant[name].packed:
             flat[name] = pack(flat[name], not fmt.has_min, lanes=fmt.lanes, xp=xp)
+        elif fmt.lanes and not fmt.packed and not quant[name].lanes:
+            flat[name] = to_lanes8(flat[name], xp=xp)
     return nest(flat)
 
 

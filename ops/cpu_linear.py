@@ -51,18 +51,21 @@ def native_fits(x: jax.Array, w, any_rows: bool = False, lanes: bool = False) ->
     """Whether ops/native's kernel takes this product: float32 rows (up to NATIVE_MAX_ROWS
     of them, or any number with `any_rows`), and a matrix of one-per-int8 values with
     float16 scales per group of a multiple of 16 inputs (every format of SCHEMES but
-    w8a8's, and GGUF's), or of packed values in its order (`lanes`) with groups of 32 times
-    a power of two."""
+    w8a8's, and GGUF's), or of values in its order (`lanes`: packed 4-bit ones, or 8-bit
+    ones plus 128 without minimums, uint8 rows as long as x's) with groups of 32 times a
+    power of two."""
     if (not isinstance(w, dict) or x.dtype != jnp.float32 or x.ndim != 2
             or x.shape[0] < 1 or (x.shape[0] > NATIVE_MAX_ROWS and not any_rows)):
         return False
     q, scale = w["q"], w["scale"]
-    packed = q.dtype == jnp.uint8
-    groups, cols = scale.shape[-1], q.shape[-1] * (2 if packed else 1)
-    return (((packed and lanes) or q.dtype == jnp.int8) and scale.dtype == jnp.float16
+    ordered = q.dtype == jnp.uint8  # packed 4-bit, or 8-bit in the kernel's order (lanes8)
+    lanes8 = ordered and q.shape[-1] == x.shape[1]
+    groups, cols = scale.shape[-1], q.shape[-1] * (2 if ordered and not lanes8 else 1)
+    return (((ordered and lanes) or q.dtype == jnp.int8) and scale.dtype == jnp.float16
             and cols == x.shape[1] and cols % groups == 0
-            and (cols // groups) % (BLOCK if packed else 16) == 0 and groups <= 1024
-            and not (packed and (cols // groups // BLOCK) & (cols // groups // BLOCK - 1))
+            and (cols // groups) % (BLOCK if ordered else 16) == 0 and groups <= 1024
+            and not (ordered and (cols // groups // BLOCK) & (cols // groups // BLOCK - 1))
+            and not (lanes8 and "min" in w)
             and q.ndim == (3 if "layer" in w else 2) and native.available("qmatmul"))
 
 

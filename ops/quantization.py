@@ -16,7 +16,9 @@ round their scales to it before quantizing, as llama.cpp does).
 
 Where xlaserve's CPU kernel runs a model's matmuls (ops/cpu_linear.py `runs_native`),
 its 4-bit matrices are packed two values a byte (`pack`), each whole group of 16 blocks in
-the order the kernel reads (`to_lanes`). Without the kernel (no C++
+the order the kernel reads (`to_lanes`); on CPUs whose kernel multiplies bytes
+(ops/native.multiplies_bytes), its 8-bit matrices in groups of 32 are held plus 128 as uint8,
+in the same order (`to_lanes8`). Without the kernel (no C++
 compiler, a failed build, --cpu-kernels none, a mesh, or bfloat16 activations),
 4-bit values are held one per int8 on CPU: XLA:CPU does not fuse the unpacking of two values
 from a byte into its matrix-vector product, and packed int4, or nibbles unpacked with shifts
@@ -54,15 +56,24 @@ class QuantFormat:
     has_min: bool = False
     activations: int = 0  # 0: the matmul reads activations in the compute dtype; 8: int8
     packed: bool = False  # 4 bits: two values a byte, uint8 [..., O, I / 2] (`pack`)
-    lanes: bool = False   # packed, in the order ops/native's kernel reads (`to_lanes`)
+    # in the order ops/native's kernel reads: packed 4-bit values (`to_lanes`), or 8-bit
+    # values plus 128, uint8 [..., O, I] (`to_lanes8`; groups of 32 times a power of two,
+    # without minimums)
+    lanes: bool = False
 
     def __post_init__(self):
         if (self.bits not in (4, 8) or self.group < 0 or (self.has_min and not self.group)
                 or self.activations not in (0, 8)
                 or (self.activations and (self.bits, self.group) != (8, 0))
                 or (self.packed and (self.bits != 4 or self.group % BLOCK))
-                or (self.lanes and not self.packed)):
+                or (self.lanes and not (self.packed or self.lanes8_fits()))):
             raise ValueError(f"unsupported quantization format {self}")
+
+    def lanes8_fits(self) -> bool:
+        """Whether this 8-bit format can be held in the kernel's order (`to_lanes8`)."""
+        blocks = self.group // BLOCK
+        return (self.bits == 8 and not self.has_min and not self.activations and not self.packed
+                and self.group % BLOCK == 0 and blocks > 0 and not blocks & (blocks - 1))
 
     def scale_columns(self, in_features: int) -> int:
         if self.group == 0:
@@ -76,7 +87,7 @@ class QuantFormat:
         """int8 for 8 bits, and for 4 bits on CPU unless packed for the CPU kernel (see the
         module docstring)."""
         platform = platform or jax.default_backend()
-        if self.packed:
+        if self.packed or self.lanes:
             return jnp.uint8
         if self.bits == 8 or platform == "cpu":
             return jnp.int8
@@ -189,10 +200,51 @@ def from_lanes(packed, *, xp=jnp):
     return _swap(packed, (4, LANE_BLOCKS, 4), xp)
 
 
-def dequantize(q, scale, minimum=None, *, lanes: bool = False, xp=jnp, dtype=jnp.float32):
+def to_lanes8(q, *, xp=np):
+    """8-bit values int8 [..., O, I] -> uint8, each plus 128, in the order ops/native's kernel
+    reads them (qmatmul.cc's `Lanes8Tile`): in each row's whole groups of 16 blocks (512
+    values), byte 128k + 64h + 4b + j holds block b's input 16h + 4k + j (part k of every
+    block at the places of a packed block's low nibbles, h = 0, then of its high ones, h = 1:
+    `to_lanes`' order); the blocks after them by quads of 4 (the last may hold fewer, n),
+    byte 16nh + 16b + j of a quad holding its block b's input 16h + j."""
+    u = (q.astype(xp.int16) + 128).astype(xp.uint8)
+    return _regroup(u, (LANE_BLOCKS, 2, 4, 4), lambda n: (n, 2, 16), xp)
+
+
+def from_lanes8(u, *, xp=jnp):
+    """`to_lanes8`'s inverse: int8 [..., O, I]."""
+    q = _regroup(u, (4, 2, LANE_BLOCKS, 4), lambda n: (2, n, 16), xp)
+    return (q.astype(xp.int16) - 128).astype(xp.int8)
+
+
+def _regroup(values, shape: tuple, quad, xp):
+    """Each row's whole groups of LANE_BLOCKS blocks (512 values) seen as `shape`, and then
+    its quads of blocks (the last of n < 4 blocks, if any) as `quad(n)`, each with its first
+    and third (a quad's: second) axes swapped."""
+    *lead, rows, cols = values.shape
+    width = LANE_BLOCKS * BLOCK
+    whole = cols // width * width
+    quads = (cols - whole) // (4 * BLOCK) * (4 * BLOCK)
+    parts = []
+    if whole:
+        groups = values[..., :whole].reshape(*lead, rows, -1, *shape)
+        parts.append(xp.swapaxes(groups, -4, -2).reshape(*lead, rows, whole))
+    rest = (cols - whole - quads) // BLOCK  # blocks of the last quad, if it is not whole
+    for start, stop, n in ((whole, whole + quads, 4), (whole + quads, cols, rest)):
+        if stop > start:
+            blocks = values[..., start:stop].reshape(*lead, rows, -1, *quad(n))
+            parts.append(xp.swapaxes(blocks, -3, -2).reshape(*lead, rows, stop - start))
+    return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=-1)
+
+
+def dequantize(q, scale, minimum=None, *, lanes: bool = False, cols: int | None = None,
+               xp=jnp, dtype=jnp.float32):
     """[..., O, I] values (or packed, uint8 [..., O, I / 2], in `to_lanes`' order with
-    `lanes`) and [..., O, G] scales (and minimums) -> the float weight."""
-    if q.dtype == xp.uint8:
+    `lanes`; or, where `cols` says a row holds I = cols of them, uint8 in `to_lanes8`'s) and
+    [..., O, G] scales (and minimums) -> the float weight."""
+    if q.dtype == xp.uint8 and q.shape[-1] == cols:
+        q = from_lanes8(q, xp=xp)
+    elif q.dtype == xp.uint8:
         q = unpack(q, minimum is None, lanes=lanes, xp=xp)
     *lead, rows, cols = q.shape
     groups = scale.shape[-1]

@@ -24,7 +24,7 @@ import dataclasses
 
 import jax
 
-from ops import cpu_linear, pallas_gpu_matmul, xla_linear
+from ops import cpu_linear, native, pallas_gpu_matmul, xla_linear
 from ops.cpu_linear import FULL_X_BITS, NATIVE_MAX_MATRICES, NATIVE_MAX_ROWS, runs_native
 from ops.quantization import BLOCK
 
@@ -144,10 +144,13 @@ def held_formats(dtype, quant: dict, *, sharded: bool) -> dict:
     ops/native's kernel reads (`lanes`: ops/quantization.to_lanes) where that kernel runs
     them, which then need no reordering as each token reads them (a lone decode's products
     took ~0.85x the time on AVX2: docs/performance-log.md, "4-bit weights held in the
-    kernel's order")."""
+    kernel's order"); and where that kernel multiplies bytes (native.multiplies_bytes), its
+    8-bit formats in groups of 32 times a power of two in its order too (`to_lanes8`)."""
     if not holds_packed(dtype, quant, sharded=sharded):
         return dict(quant)
     lanes = runs_native(dtype, quant, sharded=sharded)
+    lanes8 = lanes and native.multiplies_bytes()
     return {name: dataclasses.replace(fmt, packed=True, lanes=lanes)
-            if fmt.bits == 4 and fmt.group and fmt.group % BLOCK == 0 else fmt
+            if fmt.bits == 4 and fmt.group and fmt.group % BLOCK == 0
+            else dataclasses.replace(fmt, lanes=True) if lanes8 and fmt.lanes8_fits() else fmt
             for name, fmt in quant.items()}

@@ -46,15 +46,17 @@ def vocab_linear(x: jax.Array, blocks: tuple, **kwargs) -> jax.Array:
     return ys[0] if len(ys) == 1 else jnp.concatenate(ys, -1)
 
 
-def embedding(table, tokens: jax.Array, dtype, lanes: bool = False) -> jax.Array:
+def embedding(table, tokens: jax.Array, dtype, lanes: bool = False,
+              cols: int | None = None) -> jax.Array:
     """Rows of a [V, E] float or quantized table, or of such a table held as row blocks (a
-    tuple, the first rows first), -> [T, E] in `dtype`. `lanes`: packed 4-bit values are
-    in ops/native's order (ops/quantized_linear.held_formats)."""
+    tuple, the first rows first), -> [T, E] in `dtype`. `lanes`: packed 4-bit values are in
+    ops/native's order (ops/quantized_linear.held_formats); `cols` (E): uint8 rows of E
+    values are 8-bit ones in that kernel's order (ops/quantization.to_lanes8)."""
     if isinstance(table, tuple):
         out, start = None, 0
         for block in table:
             rows = rows_of(block)
-            x = embedding(block, jnp.clip(tokens - start, 0, rows - 1), dtype, lanes)
+            x = embedding(block, jnp.clip(tokens - start, 0, rows - 1), dtype, lanes, cols)
             out = x if out is None else jnp.where((tokens >= start)[:, None], x, out)
             start += rows
         return out
@@ -62,4 +64,4 @@ def embedding(table, tokens: jax.Array, dtype, lanes: bool = False) -> jax.Array
         return table[tokens]
     return dequantize(table["q"][tokens], table["scale"][tokens],
                       None if "min" not in table else table["min"][tokens], lanes=lanes,
-                      dtype=dtype)
+                      cols=cols, dtype=dtype)

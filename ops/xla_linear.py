@@ -9,8 +9,10 @@ measurements on XLA:CPU and XLA:GPU (docs/performance.md):
   dequantized whole when the result fits in CHUNK_BYTES, else CHUNK_BYTES at a time in a
   loop, each block multiplied while it is in cache (`in_blocks`). Smaller blocks cost more
   than they save: each loop iteration has a fixed cost on XLA:CPU ("The default server runs
-  its file's 4-bit weights"). Packed 4-bit values: `packed_product`. Past the CPU kernel's
-  rows a float32 model may multiply in bfloat16 (`wide_dtype`).
+  its file's 4-bit weights"). Packed 4-bit values: `packed_product`; 8-bit ones in
+  the CPU kernel's order (ops/quantization.to_lanes8) are put back in theirs as they
+  dequantize. Past the CPU kernel's rows a float32 model may multiply in bfloat16
+  (`wide_dtype`).
 
 w8a8 (opt-in) also quantizes each activation row to int8 (its max |x| onto 127) and runs
 the dot integer x integer, summed exactly in int32 (`linear_w8a8`): XLA:CPU gives that to
@@ -47,6 +49,9 @@ def product(x: jax.Array, w, out_dtype, *, chunked: bool = True, wide=None,
         return dot(x, w) if wide is None else dot(x.astype(wide), w.astype(wide))
     q, scale, minimum = w["q"], w["scale"], w.get("min")
     group = x.shape[-1] // scale.shape[-1]
+    if q.dtype == jnp.uint8 and q.shape[-1] == x.shape[-1]:  # 8 bits in the CPU kernel's order
+        return in_blocks(x.astype(wide or x.dtype), w, chunked, lambda xw, b: dot(xw, dequantize(
+            b["q"], b["scale"], cols=x.shape[-1], dtype=x.dtype).astype(xw.dtype)))
     if q.dtype == jnp.uint8:  # packed 4 bits (the CPU kernel's rows never come here)
         return packed_product(x, w, out_dtype, chunked, wide, lanes)
     if group == x.shape[-1] and minimum is None:  # per-channel: scale the output

@@ -4,9 +4,11 @@
 // for each variant (and for AArch64, run under qemu-aarch64), reads one problem on stdin and
 // writes the kernel's outputs to stdout, in the machine's byte order.
 //
-//   qmatmul:   int64 T, I, n, threads, x_bits (24 or 8); per matrix int64 packed, has_min, O, G; float32
-//              x[T, I]; per matrix its values (int8 [O, I] or uint8 [O, I / 2]), float16
-//              scales [O, G] and, with has_min, minimums [O, G]  ->  per matrix float32 y[T, O]
+//   qmatmul:   int64 T, I, n, threads, x_bits (24 or 8); per matrix int64 kind (0 int8, 1 packed
+//              4-bit, 2 8-bit values plus 128 in the kernel's order), has_min, O, G; float32
+//              x[T, I]; per matrix its values (int8 [O, I], uint8 [O, I / 2] or uint8 [O, I]),
+//              float16 scales [O, G] and, with has_min, minimums [O, G]  ->  per matrix float32
+//              y[T, O]
 //   attention: int64 T, H, D, Hkv, S, L, P, page, max_pages, layer, dtype (0 float32,
 //              1 float16, 2 bfloat16, 3 int8), window, split_keys, threads; float32
 //              sm_scale, soft_cap; float32 q[T, H, D]; k, v [L, P, page, Hkv, D] of dtype;
@@ -48,7 +50,7 @@ auto Inline = [](std::function<void()> task) { task(); };
 
 int QMatmul() {
   const int64_t T = Int(), I = Int(), n = Int(), threads = Int(), x_bits = Int();
-  struct Shape { int64_t packed, has_min, O, G; };
+  struct Shape { int64_t kind, has_min, O, G; };
   std::vector<Shape> shapes;
   for (int64_t m = 0; m < n; ++m) shapes.push_back({Int(), Int(), Int(), Int()});
   const std::vector<float> x = Read<float>(T * I);
@@ -57,19 +59,19 @@ int QMatmul() {
   std::vector<std::vector<float>> ys;
   std::vector<xlaserve::qmatmul::Matrix> matrices;
   for (const Shape& s : shapes) {
-    if (const char* why = xlaserve::qmatmul::Refusal(I, s.packed, s.O, s.G, T, T, s.O)) {
+    if (const char* why = xlaserve::qmatmul::Refusal(I, s.kind != 0, s.O, s.G, T, T, s.O)) {
       std::fprintf(stderr, "%s\n", why);
       return 3;
     }
-    values.push_back(Read<uint8_t>(s.O * (s.packed ? I / 2 : I)));
+    values.push_back(Read<uint8_t>(s.O * (s.kind == 1 ? I / 2 : I)));
     scales.push_back(Read<uint16_t>(s.O * s.G));
     minimums.push_back(Read<uint16_t>(s.has_min ? s.O * s.G : 0));
     ys.emplace_back(T * s.O);
   }
   for (size_t m = 0; m < shapes.size(); ++m)
-    matrices.push_back({values[m].data(), shapes[m].packed != 0, scales[m].data(),
-                        shapes[m].has_min ? minimums[m].data() : nullptr, ys[m].data(),
-                        shapes[m].O, shapes[m].G});
+    matrices.push_back({values[m].data(), shapes[m].kind == 1, shapes[m].kind == 2,
+                        scales[m].data(), shapes[m].has_min ? minimums[m].data() : nullptr,
+                        ys[m].data(), shapes[m].O, shapes[m].G});
   xlaserve::qmatmul::Compute(x.data(), T, I, matrices.data(), n, static_cast<int>(x_bits), threads,
                              Inline);
   for (const auto& y : ys) Write(y);

@@ -170,7 +170,8 @@ def test_x_in_8_bits_reaches_the_kernel():
 def test_cpu_activation_dtype_int8_decodes_a_model(tmp_path):
     """set_run_options' cpu_activation_dtype "int8" (EngineConfig.cpu_activation_dtype):
     a 4-bit model's decode logits move by Q8's rounding and no more; "float32" is the
-    default; other names are refused."""
+    default; other names are refused. (Its 8-bit LM head takes x in 8 bits too where the
+    kernel holds it in its order: native.multiplies_bytes.)"""
     from models.run_options import set_run_options
 
     path = save_tiny_hf(tmp_path, family="llama")
@@ -185,7 +186,11 @@ def test_cpu_activation_dtype_int8_decodes_a_model(tmp_path):
     tokens8, logits8 = GreedyDecoder(int8, max_len=64).generate(prompt, 2)
     tokens24, logits24 = GreedyDecoder(full, max_len=64).generate(prompt, 2)
     assert tokens8[0] == tokens24[0]
-    np.testing.assert_array_equal(logits8[0], logits24[0])
+    if any(f.lanes and not f.packed for f in dict(full.quant).values()):  # the 8-bit head
+        diff = np.abs(np.asarray(logits8[0]) - np.asarray(logits24[0])).max()
+        assert 0 < diff < 0.05 * np.abs(logits24[0]).max()
+    else:
+        np.testing.assert_array_equal(logits8[0], logits24[0])
     diff = np.abs(np.asarray(logits8[1]) - np.asarray(logits24[1])).max()
     assert 0 < diff < 0.05 * np.abs(logits24[1]).max()
     with pytest.raises(ValueError, match="activation dtype"):

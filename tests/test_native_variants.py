@@ -29,7 +29,7 @@ from attention_cases import LAYER, make_case, oracle
 from models.gguf_blocks import repack
 from ops import cache_trust, native
 from ops.kv_cache import KVCache
-from ops.quantization import QuantFormat, pack, quantize, scheme_format
+from ops.quantization import QuantFormat, pack, quantize, scheme_format, to_lanes8
 
 HARNESS = Path(__file__).with_name("native_harness.cc")
 T = gguf.GGMLQuantizationType
@@ -120,19 +120,22 @@ def _gguf(tensor_type):
     return lambda w: repack(gguf.quants.quantize(w, tensor_type).reshape(-1), tensor_type, w.shape)
 
 
-FORMATS = {  # name -> (quantize a float32 [O, I] matrix, packed)
-    "Q4_1 packed": (_gguf(T.Q4_1), True), "Q4_0 packed": (_gguf(T.Q4_0), True),
-    "int4 group 128 packed": (lambda w: quantize(w, QuantFormat(4, 128)), True),
-    "Q4_1": (_gguf(T.Q4_1), False), "Q8_0": (_gguf(T.Q8_0), False),
-    "int8 per channel": (lambda w: quantize(w, scheme_format("int8")), False),
-    "int8 group 16 with minimums": (lambda w: quantize(w, QuantFormat(8, 16, has_min=True)),
-                                    False),
+PACKED, LANES8 = 1, 2  # the harness's kinds of values but int8's (0)
+FORMATS = {  # name -> (quantize a float32 [O, I] matrix, kind)
+    "Q4_1 packed": (_gguf(T.Q4_1), PACKED), "Q4_0 packed": (_gguf(T.Q4_0), PACKED),
+    "int4 group 128 packed": (lambda w: quantize(w, QuantFormat(4, 128)), PACKED),
+    "Q4_1": (_gguf(T.Q4_1), 0), "Q8_0": (_gguf(T.Q8_0), 0),
+    "int8 per channel": (lambda w: quantize(w, scheme_format("int8")), 0),
+    "int8 group 16 with minimums": (lambda w: quantize(w, QuantFormat(8, 16, has_min=True)), 0),
+    # 8-bit values in the kernel's order, plus 128 (ops/quantization.to_lanes8)
+    "Q8_0 lanes8": (_gguf(T.Q8_0), LANES8),
+    "int8 group 64 lanes8": (lambda w: quantize(w, QuantFormat(8, 64)), LANES8),
 }
 
 
 def _matrix(fmt: str, rows: int, cols: int, seed: int):
     """(the harness's bytes of one matrix, its shape ints, its float64 weight)."""
-    make, packed = FORMATS[fmt]
+    make, kind = FORMATS[fmt]
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((rows, cols)) * rng.uniform(0.1, 2, (rows, 1))
     m = make(w.astype(np.float32))
@@ -142,9 +145,10 @@ def _matrix(fmt: str, rows: int, cols: int, seed: int):
     w = np.repeat(scale.astype(np.float64), group, axis=1) * q
     if minimum is not None:
         w += np.repeat(minimum.astype(np.float64), group, axis=1)
-    values = pack(q, minimum is None, lanes=True) if packed else q.astype(np.int8)
+    values = {0: q.astype(np.int8), PACKED: pack(q, minimum is None, lanes=True),
+              LANES8: to_lanes8(q)}[kind]
     data = values.tobytes() + scale.tobytes() + (minimum.tobytes() if minimum is not None else b"")
-    return data, (int(packed), int(minimum is not None), rows, scale.shape[1]), w
+    return data, (kind, int(minimum is not None), rows, scale.shape[1]), w
 
 
 def _qmatmul_problem(x: np.ndarray, mats, threads: int, x_bits: int) -> bytes:
@@ -178,10 +182,12 @@ def _x_in_8_bits(x: np.ndarray) -> np.ndarray:
 
 
 # 200 rows: not a multiple of 32; 608 columns: 19 blocks, so a packed row ends on a partial
-# quad of blocks after a whole group of 16 (groups of 128: 640 columns). The packed formats
-# again with x in 8 bits (--cpu-activation-dtype int8).
-QCASES = ([(fmt, 640 if "128" in fmt else 608, 24) for fmt in FORMATS]
-          + [(fmt, 640 if "128" in fmt else 608, 8) for fmt in FORMATS if FORMATS[fmt][1]])
+# quad of blocks after a whole group of 16 (groups of 64 and 128: 640 columns, 20 blocks: a
+# whole quad after the group). The formats in the kernel's order again with x in 8 bits
+# (--cpu-activation-dtype int8).
+QCASES = ([(fmt, 640 if "128" in fmt or "64" in fmt else 608, 24) for fmt in FORMATS]
+          + [(fmt, 640 if "128" in fmt or "64" in fmt else 608, 8) for fmt in FORMATS
+             if FORMATS[fmt][1]])
 
 
 @pytest.fixture(scope="module")

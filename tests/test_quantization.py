@@ -16,7 +16,7 @@ from flax import nnx
 
 from models.gguf_blocks import EXACT, KEPT, common_format, repack, widen
 from models.gguf_file import open_gguf
-from ops import cpu_linear, quantization, vocab_blocks, xla_linear
+from ops import cpu_linear, native, quantization, vocab_blocks, xla_linear
 from ops.quantization import QuantFormat, dequantize, quantize
 from ops.quantized_linear import held_formats, linear
 
@@ -329,6 +329,76 @@ def test_packed_values_in_the_kernels_order_are_the_same_weights(cols, has_min):
                                atol=1e-5 * np.abs(np.asarray(want)).max())
 
 
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("cols", [256, 576, 608, 1536])  # no whole group; 2, 3, 0 blocks more
+def test_8_bit_values_in_the_kernels_order_are_the_same_weights(cols, group):
+    """`to_lanes8` (ops/native's order for 8-bit values, where its kernel multiplies bytes):
+    plus 128 as uint8; byte 128k + 64h + 4b + j of each whole group of 16 blocks is block b's
+    input 16h + 4k + j, each quad of blocks after them its blocks' first halves, then their
+    second. The values, the rows looked up, the kernel's products of a few rows and XLA's of
+    many are the same as from one value per int8."""
+    if cols % group:
+        pytest.skip("not a whole number of groups")
+    fmt = QuantFormat(8, group)
+    parts = quantize(_weight(24, cols), fmt)
+    q = parts["q"]
+    lanes = quantization.to_lanes8(q)
+    assert lanes.dtype == np.uint8 and lanes.shape == q.shape
+    u = q.astype(np.int32) + 128
+    whole = cols // 512 * 512
+    for g in range(whole // 512):
+        for k, h, b, j in [(0, 0, 0, 0), (0, 1, 5, 3), (1, 0, 0, 0), (3, 1, 15, 3), (2, 0, 7, 1)]:
+            np.testing.assert_array_equal(lanes[:, 512 * g + 128 * k + 64 * h + 4 * b + j],
+                                          u[:, 512 * g + 32 * b + 16 * h + 4 * k + j])
+    tail = (cols - whole) // 32
+    for quad in range(tail // 4 + (tail % 4 > 0)):
+        n = min(4, tail - 4 * quad)
+        for h, b, j in [(0, 0, 0), (1, n - 1, 15), (1, 0, 3), (0, n - 1, 9)]:
+            at = whole + 128 * quad
+            np.testing.assert_array_equal(lanes[:, at + 16 * n * h + 16 * b + j],
+                                          u[:, at + 32 * b + 16 * h + j])
+    for xp in (np, jnp):
+        np.testing.assert_array_equal(
+            np.asarray(quantization.from_lanes8(xp.asarray(lanes), xp=xp)), q)
+    held = {**parts, "q": jnp.asarray(lanes)}
+    dense = dequantize(q, parts["scale"], xp=np)
+    np.testing.assert_array_equal(
+        np.asarray(dequantize(lanes, parts["scale"], cols=cols, xp=np)), dense)
+    tokens = np.array([3, 0, 23, 11], np.int32)
+    rows = jax.jit(lambda t, w: vocab_blocks.embedding(w, t, jnp.float32, lanes=True, cols=cols))(
+        tokens, held)
+    np.testing.assert_array_equal(np.asarray(rows), dense[tokens])
+    natural = {k: jnp.asarray(v) for k, v in parts.items()}
+    for n in (3, cpu_linear.NATIVE_MAX_ROWS + 4):  # the kernel where it runs; XLA's product
+        x = np.random.default_rng(cols + n).standard_normal((n, cols)).astype(np.float32)
+        got = jax.jit(lambda x, w: linear(x, w, native=True, lanes=True))(x, held)
+        want = jax.jit(lambda x, w: linear(x, w, native=True))(x, natural)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                                   atol=1e-5 * np.abs(np.asarray(want)).max())
+
+
+def test_8_bit_formats_take_the_kernels_order_where_it_multiplies_bytes(monkeypatch):
+    """held_formats: where ops/native's kernel runs a float32 model's matmuls and multiplies
+    bytes (native.multiplies_bytes), its 8-bit formats in groups of 32 times a power of two
+    without minimums are held in the kernel's order; per-channel int8, groups of 16 and
+    minimums keep one value per int8; elsewhere every 8-bit format does."""
+    formats = {"q8_0": QuantFormat(8, 32), "g64": QuantFormat(8, 64),
+               "channel": QuantFormat(8, 0), "g16": QuantFormat(8, 16),
+               "min": QuantFormat(8, 32, has_min=True), "int4": QuantFormat(4, 32, True)}
+    for multiplies in (True, False):
+        monkeypatch.setattr(native, "multiplies_bytes", lambda kernel="qmatmul", m=multiplies: m)
+        held = held_formats(jnp.float32, formats, sharded=False)
+        if not cpu_linear.runs_native(jnp.float32, formats, sharded=False):
+            assert not any(f.lanes for f in held.values())
+            continue
+        assert {n for n, f in held.items() if f.lanes and not f.packed} == (
+            {"q8_0", "g64"} if multiplies else set())
+        assert held["int4"].lanes and held["int4"].packed
+    assert not held_formats(jnp.bfloat16, formats, sharded=False)["q8_0"].lanes
+    with pytest.raises(ValueError, match="unsupported"):
+        QuantFormat(8, 16, lanes=True)
+
+
 def test_asymmetric_blocks_matmul():
     w = _weight(16, 64)
     raw = gguf.quants.quantize(w, T.Q4_1).reshape(-1)
@@ -425,7 +495,10 @@ def test_default_model_keeps_its_gguf_blocks(default_gguf):
     model = load_model(default_gguf, quantization="int8")
     quant = dict(model.quant)
     packed = model.native_matmuls  # on CPU with its kernel: 4-bit values two a byte
-    assert quant["embed"] == QuantFormat(8, 32)          # Q8_0 in the file
+    # Q8_0 in the file: where the kernel multiplies bytes, in its order (uint8, plus 128)
+    lanes8 = packed and native.multiplies_bytes()
+    assert quant["embed"] == QuantFormat(8, 32, lanes=lanes8)
+    assert model.embed[...].dtype == (jnp.uint8 if lanes8 else jnp.int8)
     assert quant["layers.w_up"] == QuantFormat(4, 32, True, packed=packed,  # Q4_1 in the file
                                                lanes=packed)
     assert model.layers.w_up[...].dtype == (jnp.uint8 if packed else jnp.int8)
@@ -433,7 +506,7 @@ def test_default_model_keeps_its_gguf_blocks(default_gguf):
     assert model.layers.w_up_min[...].shape == (30, 1536, 576 // 32)
     # What the startup log reports: per value a byte (or half of one, packed) plus, per 32
     # values, a float16 scale (Q8_0) or a scale and a minimum (Q4_1); the norms stay float32.
-    held, as_float32 = weight_bytes(nnx.to_pure_dict(nnx.state(model)))
+    held, as_float32 = weight_bytes(nnx.to_pure_dict(nnx.state(model)), quant)
     specs = param_specs(model.cfg)
     assert as_float32 == 4 * sum(math.prod(s.shape) for s in specs.values())
     want = 0
@@ -453,13 +526,17 @@ def test_default_model_int4_head_keeps_its_frequent_rows_in_8_bits(default_gguf)
     model = load_model(default_gguf, quantization="int4")
     quant, top = dict(model.quant), model.top_params()
     rows = vocab_blocks.FREQUENT_ROWS
-    assert quant["embed"] == QuantFormat(8, 32)
+    lanes8 = model.native_matmuls and native.multiplies_bytes()
+    assert quant["embed"] == QuantFormat(8, 32, lanes=lanes8)
     assert quant["embed_rare"] == QuantFormat(4, 32, True, packed=model.native_matmuls,
                                               lanes=model.native_matmuls)
     index = open_gguf(default_gguf)
     tensor = next(t for t in index.tensors if t.name == "token_embd.weight")
     file = repack(index.raw(tensor), tensor.tensor_type, tuple(reversed(tensor.shape)))
-    np.testing.assert_array_equal(np.asarray(top["embed"]), file["q"][:rows])
+    got = np.asarray(top["embed"])
+    if lanes8:
+        got = quantization.from_lanes8(got, xp=np)
+    np.testing.assert_array_equal(got, file["q"][:rows])
     np.testing.assert_array_equal(np.asarray(top["embed_scale"]), file["scale"][:rows])
     rest = dequantize(file["q"][rows:], file["scale"][rows:], xp=np)
     want = quantize(rest, QuantFormat(4, 32, True))
@@ -468,7 +545,7 @@ def test_default_model_int4_head_keeps_its_frequent_rows_in_8_bits(default_gguf)
         got = np.asarray(quantization.unpack(jnp.asarray(got), symmetric=False, lanes=True))
     np.testing.assert_array_equal(got, want["q"])
     np.testing.assert_array_equal(np.asarray(top["embed_rare_min"]), want["min"])
-    held, as_float32 = weight_bytes(nnx.to_pure_dict(nnx.state(model)))
+    held, as_float32 = weight_bytes(nnx.to_pure_dict(nnx.state(model)), dict(model.quant))
     if model.native_matmuls:  # 4-bit values two a byte (else one: see ops/quantization.py)
         assert held / as_float32 <= 0.16
 

@@ -90,8 +90,10 @@ inline void Halves(const uint16_t* h, int64_t n, float* out) {
 
 // One matrix of a call: w = q * scale (+ min) of one layer, and its product y [T, O].
 struct Matrix {
-  const void* q;            // [O, I] int8 values, or [O, I / 2] packed (uint8), this layer's
+  const void* q;            // [O, I] int8 values, or [O, I / 2] packed (uint8), or [O, I] 8-bit
+                            // values plus 128 in the kernel's order (uint8, `lanes8`), this layer's
   bool packed;              // symmetric packed values are stored plus 8: min = -8 * scale
+  bool lanes8;              // 8-bit values as `Lanes8Tile` reads them (no minimums)
   const uint16_t* scale;    // [O, G] float16 bits
   const uint16_t* minimum;  // [O, G] or null
   float* y;                 // [T, O]
@@ -155,9 +157,13 @@ struct Prepared {
   std::vector<Bytes64> scale;     // [T, Q]: 16 floats, lanes 4k .. 4k + 3 hold block k's s
   std::vector<float> block_scale; // [T, Bp]: each block's s
   std::vector<float> sums;        // [T, Bp]: each block's sum of x as rounded (for the minimums)
+  std::vector<int32_t> lift;      // where a matrix is `lanes8`, -128 times sums of x's high (or
+                                  // only) bytes: [T, Bp] each block's, for the whole groups
+  std::vector<int32_t> lift_quads;  // [T, Q, 16]: each 32-bit lane's (8 inputs: 4 at the low
+                                    // nibbles' places, 4 at the high ones'), for the other quads
 };
 
-void Prepare(const float* x, int64_t T, int64_t I, int bits, Prepared* out) {
+void Prepare(const float* x, int64_t T, int64_t I, int bits, bool lift, Prepared* out) {
   const int64_t B = I / 32, Q = (B + 3) / 4, Bp = (B + 15) / 16 * 16;
   const int D = out->digits = bits / 8;
   const int32_t limit = (1 << (bits - 1)) - 1;  // 2^23 - 1 or 127
@@ -169,6 +175,8 @@ void Prepare(const float* x, int64_t T, int64_t I, int bits, Prepared* out) {
   out->scale.assign(T * Q, Bytes64{});
   out->block_scale.assign(T * Bp, 0.0f);
   out->sums.assign(T * Bp, 0.0f);
+  out->lift.assign(lift ? T * Bp : 0, 0);
+  out->lift_quads.assign(lift ? T * Q * 16 : 0, 0);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t b = 0; b < B; ++b) {
       const float* xb = x + t * I + b * 32;
@@ -189,6 +197,16 @@ void Prepare(const float* x, int64_t T, int64_t I, int bits, Prepared* out) {
         const int shift = 8 * (D - 1 - j);
         StoreBytes(d + 128 * j, i0, shift);
         StoreBytes(d + 128 * j + 64, i1, shift);
+      }
+      if (lift) {  // the high bytes' sums, as `Lanes8Tile` multiplies them (signed)
+        int32_t* lanes = &out->lift_quads[(t * Q + qd) * 16 + 4 * k];
+        for (int i = 0; i < 4; ++i) {
+          int32_t high = 0;
+          for (int j = 4 * i; j < 4 * i + 4; ++j)
+            high += static_cast<int8_t>(d[j]) + static_cast<int8_t>(d[64 + j]);
+          lanes[i] = -128 * high;
+        }
+        out->lift[t * Bp + b] = lanes[0] + lanes[1] + lanes[2] + lanes[3];
       }
       float* sc = reinterpret_cast<float*>(out->scale[t * Q + qd].b) + 4 * k;
       sc[0] = sc[1] = sc[2] = sc[3] = s;
@@ -429,6 +447,107 @@ void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
   }
 }
 
+// Output rows [r0, r1) for N rows of x starting at row t0 (as `p.prep` holds them), from 8-bit
+// values stored plus 128 (uint8, u = w + 128) in the order ops/quantization.to_lanes8 gives
+// them: in each whole group of 16 blocks (512 bytes of a row), 128 bytes per part k of the 16
+// blocks, first at the low nibbles' places (inputs 4k .. 4k + 3 of each block), then at the high
+// ones' (16 on), a block a 32-bit lane: the same order as the packed kernel's nibbles, so the
+// same bytes of x meet them. Per row and group: for x's high (or only) byte, 8 integer dot
+// products of u with it, less 128 times its block sums (`Prepared::lift`): the sum of w times
+// that byte, exact; for the middle and low (unsigned) bytes, 8 dot products each with w itself
+// (u with its sign bit flipped). Then per block, as `PackedColumns` does, 256 * h + m
+// (|h| <= 32 * 128 * 128: exact in 32 bits, rounded once to float) times 256 plus l,
+// times the block's weight and x scales. The blocks after the last whole group go a quad at a
+// time (each quad's 128 bytes: its 4 blocks' first 16 values, then their last 16), a quarter
+// of a block a lane, the same way with the lanes' sums (`Prepared::lift_quads`).
+//
+// Why integers: a drafting step's few rows made the float product of the 8-bit LM head
+// compute-bound (`Tile`: a multiply and an add a weight a row, after converting each weight),
+// a quarter to a third of a 4-row step's products on a Zen 4 EPYC; here a dot product takes
+// 64 weights a row. Every row's output is the same sequence of operations whatever N is.
+template <int D, int N>
+void Lanes8Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
+  const Prepared& x = *p.prep;
+  const int64_t I = p.I, G = p.m.G, B = I / 32, Q = x.Q, Bp = x.Bp, NG = x.NG;
+  const int shift = p.shift;  // block b's group is b >> shift
+  const uint8_t* q = static_cast<const uint8_t*>(p.m.q);
+  const int64_t last = B % 4 ? 16 * (B % 4) : 64;  // the last quad's bytes of each half
+  alignas(64) float sc[kMaxGroups], bs[kMaxGroups];
+  const float* block_scale = shift ? bs : sc;
+  for (int64_t b = shift ? B : G; b < Bp; ++b) (shift ? bs : sc)[b] = 0.0f;  // past the last block
+  for (int64_t o = r0; o < r1; ++o) {
+    const uint8_t* qo = q + o * I;
+    PrefetchBytes(qo + kAhead * I, I);
+    PrefetchBytes(p.m.scale + (o + kAhead) * G, 2 * G);
+    Halves(p.m.scale + o * G, G, sc);
+    if (shift) {
+      for (int64_t b = 0; b < B; ++b) bs[b] = sc[b >> shift];
+    }
+    Floats acc[N];
+    for (int t = 0; t < N; ++t) acc[t] = Zero();
+    for (int64_t g = 0; g < NG; ++g) {
+      Bytes u[8], w[8];  // part k at the low nibbles' places in 2k, at the high ones' in 2k + 1
+      for (int i = 0; i < 8; ++i) {
+        u[i] = LoadB(qo + 512 * g + 64 * i);
+        if constexpr (D == 3) w[i] = FlipSigns(u[i]);
+      }
+      const Floats ws = Load(block_scale + 16 * g);
+      for (int t = 0; t < N; ++t) {
+        const uint8_t* d = x.bytes[((t0 + t) * Q + 4 * g) * 2 * D].b;
+        Ints h = LoadI(&x.lift[(t0 + t) * Bp + 16 * g]);
+        for (int i = 0; i < 8; ++i) h = DotBytes(h, u[i], LoadB(d + 128 * D * (i / 2) + 64 * (i % 2)));
+        Floats v;
+        if constexpr (D == 3) {
+          Ints m = ZeroI(), l = ZeroI();
+          for (int i = 0; i < 8; ++i) {
+            const uint8_t* di = d + 384 * (i / 2) + 64 * (i % 2);
+            m = DotBytes(m, LoadB(di + 128), w[i]);
+            l = DotBytes(l, LoadB(di + 256), w[i]);
+          }
+          v = Fma(ToFloat(AddI(ShiftLeft(h, 8), m)), Set(256.0f), ToFloat(l));
+        } else {
+          v = ToFloat(h);
+        }
+        const Floats xs = Load(&x.block_scale[(t0 + t) * Bp + 16 * g]);
+        acc[t] = Fma(v, Mul(ws, xs), acc[t]);
+      }
+    }
+    for (int64_t qd = 4 * NG; qd < Q; ++qd) {
+      const uint8_t* qq = qo + 128 * qd;
+      const int64_t n = qd + 1 < Q ? 64 : last;
+      const Bytes u0 = LoadB(qq, n), u1 = LoadB(qq + n, n);
+      const Bytes w0 = FlipSigns(u0), w1 = FlipSigns(u1);
+      const Floats ws = Repeat4(block_scale + 4 * qd);
+      for (int t = 0; t < N; ++t) {
+        const uint8_t* d = x.bytes[((t0 + t) * Q + qd) * 2 * D].b;
+        Ints h = LoadI(&x.lift_quads[((t0 + t) * Q + qd) * 16]);
+        h = DotBytes(DotBytes(h, u0, LoadB(d)), u1, LoadB(d + 64));
+        Floats v;
+        if constexpr (D == 3) {
+          const Ints m = DotBytes(DotBytes(ZeroI(), LoadB(d + 128), w0), LoadB(d + 192), w1);
+          const Ints l = DotBytes(DotBytes(ZeroI(), LoadB(d + 256), w0), LoadB(d + 320), w1);
+          v = Fma(ToFloat(AddI(ShiftLeft(h, 8), m)), Set(256.0f), ToFloat(l));
+        } else {
+          v = ToFloat(h);
+        }
+        const Floats xs = Load(reinterpret_cast<const float*>(x.scale[(t0 + t) * Q + qd].b));
+        acc[t] = Fma(v, Mul(ws, xs), acc[t]);
+      }
+    }
+    for (int t = 0; t < N; ++t) p.m.y[(t0 + t) * p.m.O + o] = ReduceAdd(acc[t]);
+  }
+}
+
+template <int D>
+void Lanes8Rows(const Problem& p, int64_t t0, int64_t n, int64_t r0, int64_t r1) {
+  switch (n) {
+    case 1: Lanes8Tile<D, 1>(p, t0, r0, r1); break;
+    case 2: Lanes8Tile<D, 2>(p, t0, r0, r1); break;
+    case 3: Lanes8Tile<D, 3>(p, t0, r0, r1); break;
+    default: Lanes8Tile<D, 4>(p, t0, r0, r1); break;
+  }
+}
+
 template <int D>
 void PackedRows(const Problem& p, int64_t t0, int64_t n, int64_t r0, int64_t r1) {
   switch (n) {
@@ -447,6 +566,14 @@ void Rows(const Problem& p, int64_t r0, int64_t r1) {
   const int64_t tile = p.m.packed ? kPackedTileRows : kTileRows;
   for (int64_t t = 0; t < p.T; t += tile) {
     const int64_t n = std::min(tile, p.T - t);
+    if (p.m.lanes8) {
+      if (p.prep->digits == 1) {
+        Lanes8Rows<1>(p, t, n, r0, r1);
+      } else {
+        Lanes8Rows<3>(p, t, n, r0, r1);
+      }
+      continue;
+    }
     if (p.m.packed) {
       if (p.prep->digits == 1) {
         PackedRows<1>(p, t, n, r0, r1);
@@ -512,7 +639,7 @@ void Compute(const float* x, int64_t T, int64_t I, const Matrix* matrices, int64
                                               kMinChunkRows, kMaxChunkRows);
   const int64_t chunk_rows = work->chunk_rows = std::clamp<int64_t>(
       (rows / (kChunksPerWorker * workers) + 31) / 32 * 32, kMinChunkRows, longest);
-  bool packed = false;
+  bool packed = false, lanes8 = false;
   for (int64_t m = 0; m < n; ++m) {
     const Matrix& w = matrices[m];
     const int64_t G = w.G, gs = I / G;
@@ -526,21 +653,23 @@ void Compute(const float* x, int64_t T, int64_t I, const Matrix* matrices, int64
       for (int64_t k = 0; k < gs; k += 16) s = Add(s, Load(xg + k));
       xsum[i] = ReduceAdd(s);
     }
-    const int64_t per_group = I / G / 32;  // packed: blocks per scale group, a power of two
+    const int64_t per_group = I / G / 32;  // packed, lanes8: blocks per scale group, a power of two
     work->p[m] = Problem{x, w, xsum.data(), &work->prep, T, I,
-                         w.packed ? __builtin_ctzll(per_group) : 0};
+                         w.packed || w.lanes8 ? __builtin_ctzll(per_group) : 0};
     work->first_chunk[m + 1] = work->first_chunk[m] + (w.O + chunk_rows - 1) / chunk_rows;
     packed = packed || w.packed;
+    lanes8 = lanes8 || w.lanes8;
   }
   if (T == 0) return;
-  if (packed) Prepare(x, T, I, x_bits, &work->prep);
+  if (packed || lanes8) Prepare(x, T, I, x_bits, lanes8, &work->prep);
   const int64_t helpers = std::min<int64_t>(workers - 1, work->first_chunk[n] - 1);
   for (int64_t i = 0; i < helpers; ++i) schedule([work] { work->Run(); });
   work->Run();
   while (work->done.load(std::memory_order_acquire) < work->first_chunk[n]) Pause();
 }
 
-// Why the matrices cannot be multiplied (shapes from the caller's buffers), or null.
+// Why the matrices cannot be multiplied (shapes from the caller's buffers), or null. `packed`:
+// the values are packed 4-bit or `lanes8` (x's rows then go through `Prepare`).
 inline const char* Refusal(int64_t I, bool packed, int64_t O, int64_t G, int64_t T,
                            int64_t y_rows, int64_t y_cols) {
   if (G < 1 || G > kMaxGroups || I % G || (I / G) % (packed ? 32 : 16) || y_rows != T || y_cols != O)
@@ -579,23 +708,27 @@ ffi::Error TakeMatrix(int64_t T, int64_t I, int64_t l, const ffi::RemainingArgs&
     return ffi::Error::InvalidArgument("xlaserve_qmatmul: each matrix is values, float16 "
                                        "scales and minimums, with a float32 result");
   const auto qd = q->dimensions(), sd = scale->dimensions();
-  const bool packed = q->element_type() == ffi::DataType::U8;
-  if (!packed && q->element_type() != ffi::DataType::S8)
-    return ffi::Error::InvalidArgument("xlaserve_qmatmul: values must be int8 or packed uint8");
+  const bool bytes = q->element_type() == ffi::DataType::U8;
+  if (!bytes && q->element_type() != ffi::DataType::S8)
+    return ffi::Error::InvalidArgument("xlaserve_qmatmul: values must be int8 or uint8");
   if (qd.size() != 3) return ffi::Error::InvalidArgument("xlaserve_qmatmul: values must be [L, O, I]");
+  // uint8 [L, O, I / 2]: packed 4-bit values; [L, O, I]: 8-bit ones plus 128 (`lanes8`)
+  const bool lanes8 = bytes && qd[2] == I, packed = bytes && !lanes8;
   const int64_t L = qd[0], O = qd[1], G = sd[2];
   const auto yd = (*y)->dimensions();
   if (qd[2] * (packed ? 2 : 1) != I || sd[0] != L || sd[1] != O)
     return ffi::Error::InvalidArgument("xlaserve_qmatmul: shapes do not agree");
-  if (const char* why = qm::Refusal(I, packed, O, G, T, yd[0], yd[1]))
+  if (const char* why = qm::Refusal(I, bytes, O, G, T, yd[0], yd[1]))
     return ffi::Error::InvalidArgument(why);
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("xlaserve_qmatmul: layer out of range");
   const bool has_min = minimum->element_count() != 0;
-  if (has_min && (minimum->element_type() != ffi::DataType::F16 ||
+  if (has_min && (lanes8 || minimum->element_type() != ffi::DataType::F16 ||
                   minimum->element_count() != scale->element_count()))
-    return ffi::Error::InvalidArgument("xlaserve_qmatmul: minimums must match the scales");
+    return ffi::Error::InvalidArgument(lanes8 ? "xlaserve_qmatmul: 8-bit values in the kernel's "
+                                                "order take no minimums"
+                                              : "xlaserve_qmatmul: minimums must match the scales");
   *out = qm::Matrix{static_cast<const int8_t*>(q->untyped_data()) + l * O * (packed ? I / 2 : I),
-                    packed,
+                    packed, lanes8,
                     reinterpret_cast<const uint16_t*>(scale->typed_data()) + l * O * G,
                     has_min ? reinterpret_cast<const uint16_t*>(minimum->untyped_data()) + l * O * G
                             : nullptr,
@@ -629,8 +762,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveQMatmul, QMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Rows2>()  // x [T, I]
                                   .Arg<Index>()  // the layer of every stack
-                                  .RemainingArgs()  // per matrix: q [L, O, I] int8 or [L, O, I / 2]
-                                                    // uint8, scale [L, O, G], min [L, O, G] or [0]
+                                  .RemainingArgs()  // per matrix: q [L, O, I] int8, [L, O, I / 2]
+                                                    // or [L, O, I] uint8, scale [L, O, G], min
+                                                    // [L, O, G] or [0]
                                   .RemainingRets()  // per matrix: y [T, O]
                                   .Attr<int32_t>("x_bits"));  // packed: x's bits a block, 24 or 8
 #endif  // XLASERVE_NO_FFI

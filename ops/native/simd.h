@@ -200,6 +200,31 @@ inline __m512i Dot(__m512i acc, __m512i u, __m512i s) {
 // Nibbles (0-15) times signed bytes, and unsigned bytes times nibbles, summed by 4 into acc.
 inline Ints DotNibblesSigned(Ints acc, Bytes nibbles, Bytes s) { return {Dot(acc.v, nibbles.v, s.v)}; }
 inline Ints DotUnsignedNibbles(Ints acc, Bytes u, Bytes nibbles) { return {Dot(acc.v, u.v, nibbles.v)}; }
+// Bytes of any value times signed bytes (qmatmul.cc's `Lanes8Tile`: 8-bit weights stored plus
+// 128, and x's bytes): acc + per 32-bit lane the sum over its 4 bytes of u (0-255) times s,
+// exact (at most 4 * 255 * 128 a lane). Without VNNI each of u's nibbles goes alone: maddubs
+// sums pairs in 16 bits, which two products of 255 * 128 would overflow.
+inline Ints DotBytes(Ints acc, Bytes u, Bytes s) {
+#if defined(__AVX512VNNI__)
+  return {_mm512_dpbusd_epi32(acc.v, u.v, s.v)};
+#else
+  const __m512i one = _mm512_set1_epi16(1);
+  const __m512i lo = _mm512_madd_epi16(_mm512_maddubs_epi16(LowNibbles(u).v, s.v), one);
+  const __m512i hi = _mm512_madd_epi16(_mm512_maddubs_epi16(HighNibbles(u).v, s.v), one);
+  return {_mm512_add_epi32(acc.v, _mm512_add_epi32(_mm512_slli_epi32(hi, 4), lo))};
+#endif
+}
+// Bytes stored plus 128 as signed bytes (the values themselves), and back.
+inline Bytes FlipSigns(Bytes a) {
+  return {_mm512_xor_si512(a.v, _mm512_set1_epi8(static_cast<char>(0x80)))};
+}
+inline Ints LoadI(const int32_t* p) { return {_mm512_loadu_si512(p)}; }
+// 16 values stored plus 128 (uint8) -> float.
+inline Floats FromOffset8(const uint8_t* p) {
+  const __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)),
+                                  _mm_set1_epi8(static_cast<char>(0x80)));
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))};
+}
 // Output rows the packed kernel's groups read x's digits once for (32 vector registers).
 constexpr int kColumns = 2;
 #if !defined(__AVX512VNNI__)
@@ -409,6 +434,35 @@ inline Ints DotUnsignedNibbles(Ints acc, Bytes u, Bytes nibbles) {
   return {Dot8(acc.lo, u.lo, nibbles.lo), Dot8(acc.hi, u.hi, nibbles.hi)};
 }
 constexpr int kColumns = 1;  // 16 vector registers: one output row's nibbles fill them
+// `DotBytes`, `FlipSigns`, `LoadI`, `FromOffset8`: see the AVX-512 target's.
+inline __m256i DotBytes8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  const __m256i one = _mm256_set1_epi16(1), m = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(u, m), s), one);
+  const __m256i hi = _mm256_madd_epi16(
+      _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(u, 4), m), s), one);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_slli_epi32(hi, 4), lo));
+#endif
+}
+inline Ints DotBytes(Ints acc, Bytes u, Bytes s) {
+  return {DotBytes8(acc.lo, u.lo, s.lo), DotBytes8(acc.hi, u.hi, s.hi)};
+}
+inline Bytes FlipSigns(Bytes a) {
+  const __m256i f = _mm256_set1_epi8(static_cast<char>(0x80));
+  return {_mm256_xor_si256(a.lo, f), _mm256_xor_si256(a.hi, f)};
+}
+inline Ints LoadI(const int32_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8))};
+}
+inline __m256 Offset8x8(const uint8_t* p) {
+  const __m128i b = _mm_xor_si128(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
+                                  _mm_set1_epi8(static_cast<char>(0x80)));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+inline Floats FromOffset8(const uint8_t* p) { return {Offset8x8(p), Offset8x8(p + 8)}; }
 #if !defined(__AVXVNNI__)
 // `DotDigits` without VNNI, where each 8-bit dot product is a maddubs (16-bit sums of pairs)
 // and a madd to widen them, both multiplies, the scarce ones: each digit's two dot products
@@ -722,6 +776,43 @@ inline Ints DotUnsignedNibbles(Ints acc, Bytes u, Bytes nibbles) {
   return acc;
 }
 
+// `DotBytes`, `FlipSigns`, `LoadI`, `FromOffset8`: see the AVX-512 target's. sdot multiplies
+// signed bytes only: u - 128 times s, plus 128 times the sum of s.
+inline int32x4_t DotBytes16(int32x4_t acc, uint8x16_t u, uint8x16_t s) {
+  const int8x16_t ss = vreinterpretq_s8_u8(s);
+#if defined(__ARM_FEATURE_DOTPROD)
+  const int8x16_t f = vreinterpretq_s8_u8(veorq_u8(u, vdupq_n_u8(0x80)));
+  const int32x4_t sums = vdotq_s32(vdupq_n_s32(0), vdupq_n_s8(1), ss);
+  return vaddq_s32(vdotq_s32(acc, f, ss), vshlq_n_s32(sums, 7));
+#else
+  const int16x8_t s0 = vmovl_s8(vget_low_s8(ss)), s1 = vmovl_s8(vget_high_s8(ss));
+  const int16x8_t u0 = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(u)));
+  const int16x8_t u1 = vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(u)));
+  const int32x4_t p0 = vmull_s16(vget_low_s16(u0), vget_low_s16(s0)), p1 = vmull_high_s16(u0, s0);
+  const int32x4_t p2 = vmull_s16(vget_low_s16(u1), vget_low_s16(s1)), p3 = vmull_high_s16(u1, s1);
+  return vaddq_s32(acc, vpaddq_s32(vpaddq_s32(p0, p1), vpaddq_s32(p2, p3)));
+#endif
+}
+inline Ints DotBytes(Ints acc, Bytes u, Bytes s) {
+  for (int k = 0; k < 4; ++k) acc.q[k] = DotBytes16(acc.q[k], u.q[k], s.q[k]);
+  return acc;
+}
+inline Bytes FlipSigns(Bytes a) {
+  for (int k = 0; k < 4; ++k) a.q[k] = veorq_u8(a.q[k], vdupq_n_u8(0x80));
+  return a;
+}
+inline Ints LoadI(const int32_t* p) {
+  Ints r;
+  for (int k = 0; k < 4; ++k) r.q[k] = vld1q_s32(p + 4 * k);
+  return r;
+}
+inline Floats FromOffset8(const uint8_t* p) {
+  const int8x16_t v = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p), vdupq_n_u8(0x80)));
+  const int16x8_t lo = vmovl_s8(vget_low_s8(v)), hi = vmovl_s8(vget_high_s8(v));
+  return {{vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo))),
+           vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)))}};
+}
+
 inline void Prefetch(const void* p) { __builtin_prefetch(p); }
 inline void Pause() { asm volatile("yield"); }
 
@@ -866,6 +957,22 @@ inline Ints DotUS(Ints acc, const Bytes& u, const Bytes& s) {
 }
 inline Ints DotNibblesSigned(Ints acc, Bytes nibbles, Bytes s) { return DotUS(acc, nibbles, s); }
 inline Ints DotUnsignedNibbles(Ints acc, Bytes u, Bytes nibbles) { return DotUS(acc, u, nibbles); }
+// `DotBytes`, `FlipSigns`, `LoadI`, `FromOffset8`: see the AVX-512 target's.
+inline Ints DotBytes(Ints acc, Bytes u, Bytes s) { return DotUS(acc, u, s); }
+inline Bytes FlipSigns(Bytes a) {
+  for (int k = 0; k < 64; ++k) a.b[k] ^= 0x80;
+  return a;
+}
+inline Ints LoadI(const int32_t* p) {
+  Ints r;
+  std::memcpy(r.l, p, sizeof r.l);
+  return r;
+}
+inline Floats FromOffset8(const uint8_t* p) {
+  Floats r;
+  for (int j = 0; j < 16; ++j) r.l[j] = static_cast<float>(static_cast<int32_t>(p[j]) - 128);
+  return r;
+}
 
 inline void Prefetch(const void* p) { __builtin_prefetch(p); }
 inline void Pause() {}
