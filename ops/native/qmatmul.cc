@@ -463,8 +463,10 @@ void Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
 //
 // Why integers: a drafting step's few rows made the float product of the 8-bit LM head
 // compute-bound (`Tile`: a multiply and an add a weight a row, after converting each weight),
-// a quarter to a third of a 4-row step's products on a Zen 4 EPYC; here a dot product takes
-// 64 weights a row. Every row's output is the same sequence of operations whatever N is.
+// 22-30 % of a 4-row step's products on a Zen 4 EPYC; here a dot product takes 64 weights a
+// row (the head at 4 rows: 0.81x the time, 0.62x with x in 8 bits; docs/performance-log.md,
+// "The 8-bit head as integer dot products"). Every row's output is the same sequence of
+// operations whatever N is.
 template <int D, int N>
 void Lanes8Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
   const Prepared& x = *p.prep;
