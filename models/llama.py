@@ -168,7 +168,7 @@ class Llama(nnx.Module):
         orders = {f.lanes for f in (quant or {}).values() if f.packed}
         if len(orders) > 1:
             raise ValueError("packed 4-bit weights are held in one order")
-        self.lanes = orders == {True} or any(f.lanes for f in (quant or {}).values())
+        self.lanes = any(f.lanes for f in (quant or {}).values())
         # How it runs, as models.run_options.set_run_options sets it for whoever runs it:
         # the layers unrolled, or looped with float and per-channel int8 matrices handed
         # whole to ops/pallas_gpu_matmul; batch-invariant rows; the dtype of XLA's many-row

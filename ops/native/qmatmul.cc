@@ -517,7 +517,8 @@ void Lanes8Tile(const Problem& p, int64_t t0, int64_t r0, int64_t r1) {
     for (int64_t qd = 4 * NG; qd < Q; ++qd) {
       const uint8_t* qq = qo + 128 * qd;
       const int64_t n = qd + 1 < Q ? 64 : last;
-      const Bytes u0 = LoadB(qq, n), u1 = LoadB(qq + n, n);
+      const Bytes u0 = n == 64 ? LoadB(qq) : LoadB(qq, n);
+      const Bytes u1 = n == 64 ? LoadB(qq + 64) : LoadB(qq + n, n);
       const Bytes w0 = FlipSigns(u0), w1 = FlipSigns(u1);
       const Floats ws = Repeat4(block_scale + 4 * qd);
       for (int t = 0; t < N; ++t) {
@@ -568,20 +569,10 @@ void Rows(const Problem& p, int64_t r0, int64_t r1) {
   const int64_t tile = p.m.packed ? kPackedTileRows : kTileRows;
   for (int64_t t = 0; t < p.T; t += tile) {
     const int64_t n = std::min(tile, p.T - t);
-    if (p.m.lanes8) {
-      if (p.prep->digits == 1) {
-        Lanes8Rows<1>(p, t, n, r0, r1);
-      } else {
-        Lanes8Rows<3>(p, t, n, r0, r1);
-      }
-      continue;
-    }
-    if (p.m.packed) {
-      if (p.prep->digits == 1) {
-        PackedRows<1>(p, t, n, r0, r1);
-      } else {
-        PackedRows<3>(p, t, n, r0, r1);
-      }
+    if (p.m.lanes8 || p.m.packed) {
+      auto rows = p.prep->digits == 1 ? (p.m.lanes8 ? Lanes8Rows<1> : PackedRows<1>)
+                                      : (p.m.lanes8 ? Lanes8Rows<3> : PackedRows<3>);
+      rows(p, t, n, r0, r1);
       continue;
     }
     switch (n) {
