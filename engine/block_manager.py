@@ -190,6 +190,10 @@ class BlockManager:
                 self._release(old, first=True)
             self._hash_to_block[h] = block  # the newest copy wins
 
+    def block_hash(self, block: int) -> bytes | None:
+        """The prefix cache's hash of what `block` holds (full and computed), else None."""
+        return self._hashes[block]
+
     def num_cached_blocks_of(self, seq: Sequence) -> int:
         """How many of seq's leading blocks are in the prefix cache (written and hashed)."""
         n = 0

@@ -17,8 +17,14 @@ sequence's draft K/V is written only while it drafts: `_computed` counts the tok
 for it, and the first step of a drafting round brings the tokens since (the whole prompt
 when it first drafts, in chunks of the step budget; after a round, the last draft and the
 sampled token, or just the sampled token when drafts were rejected). A preempted sequence
-starts again from nothing, since its pages changed; pages from the prefix cache are
-recomputed too, their draft K/V being whatever the draft last wrote there.
+starts again from nothing, since its pages changed.
+
+A page from the prefix cache brings its draft K/V too where the draft wrote it for that
+content: the draft records, for each page it computed whole with verified tokens, the prefix
+cache's hash of the page (chained: it names every token before it too), and forgets it when
+it writes the page again. A sequence that starts drafting skips its leading pages whose hash
+is still the one recorded; it computes the rest (a page the draft never wrote for that
+content, such as one a sequence filled while not drafting).
 """
 
 from __future__ import annotations
@@ -30,12 +36,13 @@ import time
 from pathlib import Path
 
 from engine.batch import InputBatch
+from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.distributed import is_distributed
 from engine.grammar import Grammars, fill_mask_after
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.sequence import SequenceStatus
+from engine.sequence import Sequence, SequenceStatus
 from models.known_models import KNOWN_MODELS, fetch_model
 from models.tokenizer import Tokenizer
 
@@ -74,6 +81,10 @@ class DraftModel:
         self.runner = runner
         self.input_batch = InputBatch(config, eos_token_ids)
         self._computed: dict[int, int] = {}  # seq_id -> tokens whose draft K/V is written
+        # page -> the prefix cache's hash of the content the draft's K/V there was computed
+        # for, and seq_id -> how many of its leading pages were looked at for recording.
+        self._page_hashes: dict[int, bytes] = {}
+        self._recorded: dict[int, int] = {}
         self.num_rounds = 0
         # Seconds of each drafting round of the last `draw` that brought each sequence one or
         # two tokens (what a round costs once caught up; catching up a prompt is not one).
@@ -103,16 +114,19 @@ class DraftModel:
         return self.runner.time_step(1)
 
     def draw(self, out: SchedulerOutput, seeds: dict[int, int],
-             grammar: tuple[Grammars, dict] | None = None) -> None:
+             grammar: tuple[Grammars, dict] | None = None,
+             cache: BlockManager | None = None) -> None:
         """Draw the drafts booked (TO_DRAW) in `out`, in place: into each entry's `drafts` and
         its sequence's tokens. `grammar`: (the engine's Grammars, seq_id -> matcher): a
-        sequence that follows one draws each draft under its mask after the drafts before."""
+        sequence that follows one draws each draft under its mask after the drafts before.
+        `cache`: the target's pages, whose prefix cache's hashes let a sequence skip the
+        pages whose draft K/V is there already (module docstring)."""
         for seq in out.preempted:  # its pages change: its draft K/V is written afresh
-            self._computed.pop(seq.seq_id, None)
+            self._forget(seq.seq_id)
             self.input_batch.release(seq.seq_id)
         for seq_id in [i for i, (_, s) in self.input_batch.seqs.items()
                        if s.status is not SequenceStatus.RUNNING]:
-            self._computed.pop(seq_id, None)
+            self._forget(seq_id)
         self.round_seconds = []
         entries = [e for e in out.scheduled if e.drafts]
         if not entries:
@@ -120,7 +134,11 @@ class DraftModel:
         by_id = {e.seq.seq_id: e for e in entries}
         for e in entries:  # K/V past the target's computed tokens is of rejected drafts
             sid = e.seq.seq_id
+            if sid not in self._computed and cache is not None:
+                self._computed[sid] = self._written(e.seq, cache)
             self._computed[sid] = min(self._computed.get(sid, 0), e.start)
+            if cache is not None:
+                self._record(e.seq, cache)
         # The first round: each sequence's tokens since its draft K/V, through the last one.
         budget = self.config.max_num_batched_tokens
         behind = list(entries)
@@ -141,6 +159,34 @@ class DraftModel:
                       if len(e.drafts) > j]
             self._run(chunks, by_id, j, seeds, grammar)
 
+    def _forget(self, seq_id: int) -> None:
+        self._computed.pop(seq_id, None)
+        self._recorded.pop(seq_id, None)
+
+    def _written(self, seq: Sequence, cache: BlockManager) -> int:
+        """Tokens of `seq`'s leading pages that hold the draft's K/V for their content."""
+        n = 0
+        for block in seq.block_table:
+            h = cache.block_hash(block)
+            if h is None or self._page_hashes.get(block) != h:
+                break
+            n += 1
+        return n * self.config.block_size
+
+    def _record(self, seq: Sequence, cache: BlockManager) -> None:
+        """Record the hashes of `seq`'s pages the draft has computed whole (their tokens are
+        the target's: `_computed` is past no rejected draft here)."""
+        sid = seq.seq_id
+        whole = self._computed[sid] // self.config.block_size
+        i = min(self._recorded.get(sid, 0), whole)
+        while i < whole:
+            h = cache.block_hash(seq.block_table[i])
+            if h is None:  # the target has not registered it yet
+                break
+            self._page_hashes[seq.block_table[i]] = h
+            i += 1
+        self._recorded[sid] = i
+
     def _run(self, chunks: list[ScheduledSeq], entries: dict[int, ScheduledSeq], j: int,
              seeds: dict[int, int], grammar) -> None:
         """One step of the draft model over `chunks`; a chunk that samples draws its entry's
@@ -158,8 +204,12 @@ class DraftModel:
         self.num_rounds += 1
         if max(c.num_new_tokens for c in chunks) <= 2:
             self.round_seconds.append(time.perf_counter() - start)
+        size = self.config.block_size
         for row, chunk in enumerate(chunks):
             sid = chunk.seq.seq_id
+            table = chunk.seq.block_table
+            for i in range(chunk.start // size, (chunk.end - 1) // size + 1):
+                self._page_hashes.pop(table[i], None)  # written again: recorded afresh
             self._computed[sid] = chunk.end
             if chunk.samples:
                 entry = entries[sid]

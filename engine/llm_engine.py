@@ -239,7 +239,8 @@ class LLMEngine:
         write a prompt's draft K/V included: none of it is the target's step."""
         start = time.perf_counter()
         self.draft.draw(out, self._seeds,
-                        (self.grammars, self._matchers) if self._matchers else None)
+                        (self.grammars, self._matchers) if self._matchers else None,
+                        self.block_manager)
         for seconds in self.draft.round_seconds:
             self.scheduler.drafting.step_costs.record_round(seconds)
         return time.perf_counter() - start

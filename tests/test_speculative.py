@@ -655,6 +655,40 @@ def test_a_prompts_first_token_comes_out_before_the_drafts_after_it():
     assert draft_steps and eng.scheduler.drafting.stats.num_accepted_tokens > 0
 
 
+def test_a_draft_model_skips_the_pages_a_prefix_cache_hit_brings_its_kv_for():
+    """The same prompt again: the draft's first round starts after the pages from the prefix
+    cache (their draft K/V is there, written for that content); a prompt sharing only its
+    first two pages starts after those two; the tokens are the target's in each."""
+    firsts = []
+
+    class Recording(DraftModel):
+        def _run(self, chunks, entries, j, seeds, grammar):
+            if j == 0:
+                firsts.extend((c.seq.seq_id, c.start) for c in chunks)
+            super()._run(chunks, entries, j, seeds, grammar)
+
+    cfg = EngineConfig(model="fake", max_model_len=64, max_num_seqs=4,
+                       max_num_batched_tokens=32, block_size=4, num_blocks=40,
+                       speculative=DRAFTING)
+    tokenizer = types.SimpleNamespace(eos_token_ids=frozenset({EOS}), vocab_size=10**6)
+    draft = Recording(dataclasses.replace(cfg, speculative=None), FakeRunner(modulus=10),
+                      tokenizer.eos_token_ids)
+    eng = LLMEngine(cfg, runner=FakeRunner(modulus=10), tokenizer=tokenizer, detokenize=False,
+                    draft=draft)
+    eng.scheduler.drafting.step_costs = EqualCosts()
+    prompt = [3, 4, 5, 9, 9, 0, 1, 3, 4, 8, 8, 1, 1, 7, 7, 3, 5, 6]  # 4 whole pages and 2
+    other = prompt[:8] + [2, 2] + prompt[10:]  # the same first two pages only
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    starts = []
+    for p in (prompt, prompt, other):
+        del firsts[:]
+        (out,) = eng.generate([p], params)
+        assert out.outputs[0].token_ids == [(p[-1] + 1 + i) % 10 for i in range(8)]
+        starts.append(firsts[0][1])  # the first round's start for the request
+    assert starts == [0, 16, 8]
+    assert eng.scheduler.drafting.stats.num_accepted_tokens > 0
+
+
 def test_a_draft_model_under_preemption_aborts_and_stops():
     """Preemption (the draft's K/V of a preempted sequence is written again from its start),
     an abort, and stops inside the drafts: the outputs without speculation."""
