@@ -45,6 +45,7 @@ from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from models.known_models import KNOWN_MODELS, fetch_model
 from models.tokenizer import Tokenizer
+from ops.xla_linear import multiplies_bfloat16
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,18 @@ def check_vocabulary(target: Tokenizer, draft: Tokenizer, draft_name: str) -> No
         raise ValueError(f"draft model {draft_name} names token {first} "
                          f"{draft.id_to_token(first)!r}, the target {target.id_to_token(first)!r}:"
                          " a draft model must share the target's vocabulary")
+
+
+def draft_config(target: EngineConfig, path: str) -> EngineConfig:
+    """The draft model's configuration: the target's limits and pages, its own model, no
+    drafting of its own; on a CPU that multiplies bfloat16 (ops.xla_linear.
+    multiplies_bfloat16), its products of many rows (its pass over a prompt) in bfloat16: a
+    draft's numbers never reach the output, which is the target's draws whatever it drafts,
+    and that pass is most of what a draft model costs a fresh prompt."""
+    config = dataclasses.replace(target, model=path, name=None, speculative=None)
+    if multiplies_bfloat16():
+        config = dataclasses.replace(config, cpu_matmul_dtype="bfloat16")
+    return config
 
 
 class DraftModel:
@@ -103,7 +116,7 @@ class DraftModel:
                              "(tensor parallelism is not supported with it yet)")
         path = draft_path(spec.model)
         check_vocabulary(tokenizer, Tokenizer.for_model(path), spec.model)
-        config = dataclasses.replace(target, model=path, name=None, speculative=None)
+        config = draft_config(target, path)
         logger.info("Loading the draft model %s", path)
         return cls(config, ModelRunner(config), tokenizer.eos_token_ids)
 

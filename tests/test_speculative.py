@@ -719,6 +719,29 @@ def test_a_draft_model_must_share_the_targets_vocabulary():
                               target)
 
 
+def test_a_draft_model_runs_its_prompts_in_bfloat16_where_the_cpu_multiplies_it(
+        tmp_path, monkeypatch):
+    from engine import draft_model
+    from ops.xla_linear import multiplies_bfloat16
+
+    def cpuinfo(flags):
+        path = tmp_path / flags.replace(" ", "_")
+        path.write_text(f"processor\t: 0\nflags\t\t: fpu {flags} sse2\n\nprocessor\t: 1\n")
+        return str(path)
+
+    assert multiplies_bfloat16(cpuinfo("avx512f amx_bf16 amx_tile"))      # Sapphire Rapids
+    assert multiplies_bfloat16(cpuinfo("avx512f avx512_vnni avx512_bf16"))  # Zen 4
+    assert not multiplies_bfloat16(cpuinfo("avx2 fma f16c"))                # Zen 3, Zen 1
+    assert not multiplies_bfloat16(str(tmp_path / "none"))                  # not Linux
+    target = EngineConfig(model="t", max_model_len=64, speculative=DRAFTING,
+                          cpu_activation_dtype="int8")
+    for has, want in [(True, "bfloat16"), (False, "float32")]:
+        monkeypatch.setattr(draft_model, "multiplies_bfloat16", lambda has=has: has)
+        cfg = draft_model.draft_config(target, "d")
+        assert (cfg.model, cfg.speculative, cfg.cpu_matmul_dtype) == ("d", None, want)
+        assert (cfg.max_model_len, cfg.cpu_activation_dtype) == (64, "int8")
+
+
 def test_a_preempted_sequence_drafts_into_its_new_pages():
     """A draft model's batch is built only when a step drafts: a sequence preempted (its pages
     handed to another) and running again on other pages before the next drafting step must
