@@ -409,6 +409,24 @@ def test_speculative_steps_give_the_same_outputs(engine, plain, monkeypatch):
     assert 0 < stats["ngram"].num_accepted_tokens < stats["ngram"].num_draft_tokens
     assert {2, 4} <= set(fused_steps)  # drafting steps ran fused
     assert stats["draft"].num_accepted_tokens >= 0.9 * stats["draft"].num_draft_tokens > 0
+    # A prompt again from the prefix cache: the draft skips its pages (their draft K/V is
+    # there) and its drafts are still kept, as they would not be over wrong K/V.
+    written, written_by = [], draft._written
+    monkeypatch.setattr(draft, "_written",
+                        lambda seq, cache: written.append(written_by(seq, cache)) or written[-1])
+    eng = LLMEngine(dataclasses.replace(engine.config, speculative={
+        "model": engine.config.model, "num_speculative_tokens": 3}), runner=engine.runner,
+        tokenizer=engine.tokenizer, draft=draft)
+    eng.scheduler.drafting.step_costs = EqualCosts()
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first = eng.generate([copy * 3], [greedy])
+    kept, proposed = (eng.scheduler.drafting.stats.num_accepted_tokens,
+                      eng.scheduler.drafting.stats.num_draft_tokens)
+    assert eng.generate([copy * 3], [greedy])[0].outputs[0].token_ids == \
+        first[0].outputs[0].token_ids
+    stats = eng.scheduler.drafting.stats
+    assert written[-1] >= 3 * engine.config.block_size, written
+    assert stats.num_accepted_tokens - kept >= 0.9 * (stats.num_draft_tokens - proposed) > 0
     assert engine.runner.compilations_after_warmup == compiled
     assert draft.runner.compilations_after_warmup == 0 and draft.runner.num_stored_loads > 0
     draft.runner.release()
