@@ -147,7 +147,10 @@ class Scheduler:
                 self.blocks.may_append(seq)
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 entry = ScheduledSeq(seq, n, seq.num_computed_tokens)
-                if speculate and n == 1:
+                # Only a decode drafts: not a prompt's last token alone in a step (a chunk
+                # kept in its bucket), whose first token must not wait for a draft model's
+                # pass over the prompt.
+                if speculate and n == 1 and seq.num_output_tokens:
                     rows = self.config.max_num_seqs - len(self.running) - num_drafts
                     tokens = self.config.max_num_batched_tokens - budget
                     self.drafting.draft(entry, min(budget - 1, rows), tokens, gain)

@@ -624,10 +624,13 @@ def test_a_draft_model_gives_the_same_tokens_in_fewer_steps(overlap):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
-def test_a_prompts_first_token_comes_out_before_the_drafts_after_it():
+@pytest.mark.parametrize("prompt", [[3, 4, 5, 6, 7, 8], [i % 10 for i in range(-9, 8)]])
+def test_a_prompts_first_token_comes_out_before_the_drafts_after_it(prompt):
     """Steps overlap until a sequence may draft; then the prompt's step is read and its first
     token returned at once, before the draft model's first round (which writes the draft's
-    K/V for the whole prompt) and the drafting step after it."""
+    K/V for the whole prompt) and the drafting step after it. Also where the prompt's last
+    token is a step of its own (17 tokens: 16, then 1, the step kept in its bucket): it is
+    not a decode, so it brings no drafts."""
     draft_steps = []
 
     class CountingDraft(FakeRunner):
@@ -643,13 +646,12 @@ def test_a_prompts_first_token_comes_out_before_the_drafts_after_it():
     eng = LLMEngine(cfg, runner=FakeRunner(modulus=10), tokenizer=tokenizer, detokenize=False,
                     draft=draft)
     eng.scheduler.drafting.step_costs = EqualCosts()
-    eng.add_request([3, 4, 5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=12,
-                                                       ignore_eos=True))
+    eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     outputs = []
     while not outputs:
         outputs = eng.step()
     (first,) = outputs
-    assert first.outputs[0].token_ids == [9] and draft_steps == []
+    assert first.outputs[0].token_ids == [(prompt[-1] + 1) % 10] and draft_steps == []
     while eng.has_unfinished():
         outputs.extend(eng.step())
     assert draft_steps and eng.scheduler.drafting.stats.num_accepted_tokens > 0
