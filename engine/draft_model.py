@@ -45,7 +45,7 @@ from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from models.known_models import KNOWN_MODELS, fetch_model
 from models.tokenizer import Tokenizer
-from ops.xla_linear import multiplies_bfloat16
+from ops import native
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +76,12 @@ def check_vocabulary(target: Tokenizer, draft: Tokenizer, draft_name: str) -> No
 
 def draft_config(target: EngineConfig, path: str) -> EngineConfig:
     """The draft model's configuration: the target's limits and pages, its own model, no
-    drafting of its own; on a CPU that multiplies bfloat16 (ops.xla_linear.
+    drafting of its own; on a CPU that multiplies bfloat16 (ops.native.
     multiplies_bfloat16), its products of many rows (its pass over a prompt) in bfloat16: a
     draft's numbers never reach the output, which is the target's draws whatever it drafts,
     and that pass is most of what a draft model costs a fresh prompt."""
     config = dataclasses.replace(target, model=path, name=None, speculative=None)
-    if multiplies_bfloat16():
+    if native.multiplies_bfloat16():
         config = dataclasses.replace(config, cpu_matmul_dtype="bfloat16")
     return config
 

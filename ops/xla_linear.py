@@ -90,22 +90,6 @@ def wide_dtype(dtype, setting: str = "float32"):
     return jnp.bfloat16
 
 
-def multiplies_bfloat16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU multiplies bfloat16 in its own instructions (flags `amx_bf16`, AMX's
-    tiles, or `avx512_bf16`), where XLA's bfloat16 products of many rows run faster than
-    float32's; elsewhere they are converted and run slower. False where `cpuinfo` is not
-    readable (not Linux)."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    return "amx_bf16" in flags or "avx512_bf16" in flags
-    except OSError:
-        pass
-    return False
-
-
 def dot_t(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
     """x [T, I] @ w [O, I]^T, contracting the inputs of both in place: XLA:CPU ran a bfloat16
     `x @ w.T` (a transpose, then a dot) at a sixth of this one's rate (229 against 1,374

@@ -624,6 +624,20 @@ def test_a_draft_model_gives_the_same_tokens_in_fewer_steps(overlap):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+def _drafting_engine(draft_class, draft_runner, **limits) -> LLMEngine:
+    """An engine on the fake model whose draft model (`draft_class`) runs on `draft_runner`,
+    drafting whenever it may (EqualCosts)."""
+    cfg = EngineConfig(model="fake", max_model_len=64, max_num_batched_tokens=32,
+                       speculative=DRAFTING, **limits)
+    tokenizer = types.SimpleNamespace(eos_token_ids=frozenset({EOS}), vocab_size=10**6)
+    draft = draft_class(dataclasses.replace(cfg, speculative=None), draft_runner,
+                        tokenizer.eos_token_ids)
+    eng = LLMEngine(cfg, runner=FakeRunner(modulus=10), tokenizer=tokenizer, detokenize=False,
+                    draft=draft)
+    eng.scheduler.drafting.step_costs = EqualCosts()
+    return eng
+
+
 @pytest.mark.parametrize("prompt", [[3, 4, 5, 6, 7, 8], [i % 10 for i in range(-9, 8)]])
 def test_a_prompts_first_token_comes_out_before_the_drafts_after_it(prompt):
     """Steps overlap until a sequence may draft; then the prompt's step is read and its first
@@ -638,14 +652,8 @@ def test_a_prompts_first_token_comes_out_before_the_drafts_after_it(prompt):
             draft_steps.append(batch.bucket[0])
             return super().run(batch)
 
-    cfg = EngineConfig(model="fake", max_model_len=64, max_num_seqs=8,
-                       max_num_batched_tokens=32, async_scheduling=True, speculative=DRAFTING)
-    tokenizer = types.SimpleNamespace(eos_token_ids=frozenset({EOS}), vocab_size=10**6)
-    draft = DraftModel(dataclasses.replace(cfg, speculative=None), CountingDraft(modulus=10),
-                       tokenizer.eos_token_ids)
-    eng = LLMEngine(cfg, runner=FakeRunner(modulus=10), tokenizer=tokenizer, detokenize=False,
-                    draft=draft)
-    eng.scheduler.drafting.step_costs = EqualCosts()
+    eng = _drafting_engine(DraftModel, CountingDraft(modulus=10), max_num_seqs=8,
+                           async_scheduling=True)
     eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     outputs = []
     while not outputs:
@@ -669,15 +677,8 @@ def test_a_draft_model_skips_the_pages_a_prefix_cache_hit_brings_its_kv_for():
                 firsts.extend((c.seq.seq_id, c.start) for c in chunks)
             super()._run(chunks, entries, j, seeds, grammar)
 
-    cfg = EngineConfig(model="fake", max_model_len=64, max_num_seqs=4,
-                       max_num_batched_tokens=32, block_size=4, num_blocks=40,
-                       speculative=DRAFTING)
-    tokenizer = types.SimpleNamespace(eos_token_ids=frozenset({EOS}), vocab_size=10**6)
-    draft = Recording(dataclasses.replace(cfg, speculative=None), FakeRunner(modulus=10),
-                      tokenizer.eos_token_ids)
-    eng = LLMEngine(cfg, runner=FakeRunner(modulus=10), tokenizer=tokenizer, detokenize=False,
-                    draft=draft)
-    eng.scheduler.drafting.step_costs = EqualCosts()
+    eng = _drafting_engine(Recording, FakeRunner(modulus=10), max_num_seqs=4, block_size=4,
+                           num_blocks=40)
     prompt = [3, 4, 5, 9, 9, 0, 1, 3, 4, 8, 8, 1, 1, 7, 7, 3, 5, 6]  # 4 whole pages and 2
     other = prompt[:8] + [2, 2] + prompt[10:]  # the same first two pages only
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -721,24 +722,18 @@ def test_a_draft_model_must_share_the_targets_vocabulary():
                               target)
 
 
-def test_a_draft_model_runs_its_prompts_in_bfloat16_where_the_cpu_multiplies_it(
-        tmp_path, monkeypatch):
+def test_a_draft_model_runs_its_prompts_in_bfloat16_where_the_cpu_multiplies_it(monkeypatch):
     from engine import draft_model
-    from ops.xla_linear import multiplies_bfloat16
+    from ops import native
 
-    def cpuinfo(flags):
-        path = tmp_path / flags.replace(" ", "_")
-        path.write_text(f"processor\t: 0\nflags\t\t: fpu {flags} sse2\n\nprocessor\t: 1\n")
-        return str(path)
-
-    assert multiplies_bfloat16(cpuinfo("avx512f amx_bf16 amx_tile"))      # Sapphire Rapids
-    assert multiplies_bfloat16(cpuinfo("avx512f avx512_vnni avx512_bf16"))  # Zen 4
-    assert not multiplies_bfloat16(cpuinfo("avx2 fma f16c"))                # Zen 3, Zen 1
-    assert not multiplies_bfloat16(str(tmp_path / "none"))                  # not Linux
+    assert native.multiplies_bfloat16({"avx512f", "amx_bf16", "amx_tile"})         # SPR
+    assert native.multiplies_bfloat16({"avx512f", "avx512_vnni", "avx512_bf16"})   # Zen 4
+    assert not native.multiplies_bfloat16({"avx2", "fma", "f16c"})                 # Zen 1-3
+    assert not native.multiplies_bfloat16(frozenset())                             # no flags
     target = EngineConfig(model="t", max_model_len=64, speculative=DRAFTING,
                           cpu_activation_dtype="int8")
     for has, want in [(True, "bfloat16"), (False, "float32")]:
-        monkeypatch.setattr(draft_model, "multiplies_bfloat16", lambda has=has: has)
+        monkeypatch.setattr(native, "multiplies_bfloat16", lambda has=has: has)
         cfg = draft_model.draft_config(target, "d")
         assert (cfg.model, cfg.speculative, cfg.cpu_matmul_dtype) == ("d", None, want)
         assert (cfg.max_model_len, cfg.cpu_activation_dtype) == (64, "int8")

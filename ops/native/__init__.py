@@ -272,6 +272,15 @@ def multiplies_bytes(kernel: str = "qmatmul") -> bool:
     return variant(kernel) == "avx512" and "avx512_vnni" in cpu_features()
 
 
+def multiplies_bfloat16(features: set[str] | None = None) -> bool:
+    """Whether this CPU (or one with `features`) multiplies bfloat16 in its own instructions
+    (`amx_bf16`: AMX's tiles, or `avx512_bf16`), where XLA's bfloat16 products of many rows
+    run faster than float32's (ops.xla_linear.wide_dtype); elsewhere they are converted and
+    run slower."""
+    features = cpu_features() if features is None else features
+    return "amx_bf16" in features or "avx512_bf16" in features
+
+
 def library_name(kernel: str) -> str | None:
     """The file name of `kernel`'s loaded library (None when it is not available)."""
     available(kernel)
