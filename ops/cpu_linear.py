@@ -3,7 +3,8 @@ an XLA FFI custom call built on first use): `linear` (ops/quantized_linear.py) h
 product here where `native_fits` says the kernel takes it.
 
 Up to NATIVE_MAX_ROWS rows of float32 on one CPU device (any number under --batch-invariant,
-`any_rows`). The kernel converts 8-bit values to float in registers and multiplies in
+`any_rows`, and for packed 4-bit values with x in 8 bits where VNNI multiplies them,
+`many_rows_pay`). The kernel converts 8-bit values to float in registers and multiplies in
 float32; 4-bit values run as exact integer dot products with each block of 32 inputs of a
 row held as 24-bit integers, float32's precision at the block's largest value (`x_bits` 24),
 or as 8-bit ones (`x_bits` 8, --cpu-activation-dtype int8: a third of the dot products,
@@ -47,19 +48,22 @@ def runs_native(dtype, quant: dict, *, sharded: bool) -> bool:
                 and jax.default_backend() == "cpu" and native.available("qmatmul"))
 
 
-def native_fits(x: jax.Array, w, any_rows: bool = False, lanes: bool = False) -> bool:
+def native_fits(x: jax.Array, w, any_rows: bool = False, lanes: bool = False,
+                x_bits: int = FULL_X_BITS) -> bool:
     """Whether ops/native's kernel takes this product: float32 rows (up to NATIVE_MAX_ROWS
-    of them, or any number with `any_rows`), and a matrix of one-per-int8 values with
-    float16 scales per group of a multiple of 16 inputs (every format of SCHEMES but
-    w8a8's, and GGUF's), or of values in its order (`lanes`: packed 4-bit ones, or 8-bit
-    ones plus 128 without minimums, uint8 rows as long as x's) with groups of 32 times a
-    power of two."""
-    if (not isinstance(w, dict) or x.dtype != jnp.float32 or x.ndim != 2
-            or x.shape[0] < 1 or (x.shape[0] > NATIVE_MAX_ROWS and not any_rows)):
+    of them, or any number with `any_rows` or where `many_rows_pay`), and a matrix of
+    one-per-int8 values with float16 scales per group of a multiple of 16 inputs (every
+    format of SCHEMES but w8a8's, and GGUF's), or of values in its order (`lanes`: packed
+    4-bit ones, or 8-bit ones plus 128 without minimums, uint8 rows as long as x's) with
+    groups of 32 times a power of two."""
+    if not isinstance(w, dict) or x.dtype != jnp.float32 or x.ndim != 2 or x.shape[0] < 1:
         return False
     q, scale = w["q"], w["scale"]
     ordered = q.dtype == jnp.uint8  # packed 4-bit, or 8-bit in the kernel's order (lanes8)
     lanes8 = ordered and q.shape[-1] == x.shape[1]
+    if x.shape[0] > NATIVE_MAX_ROWS and not (
+            any_rows or (ordered and not lanes8 and many_rows_pay(x_bits))):
+        return False
     groups, cols = scale.shape[-1], q.shape[-1] * (2 if ordered and not lanes8 else 1)
     return (((ordered and lanes) or q.dtype == jnp.int8) and scale.dtype == jnp.float16
             and cols == x.shape[1] and cols % groups == 0
@@ -67,6 +71,20 @@ def native_fits(x: jax.Array, w, any_rows: bool = False, lanes: bool = False) ->
             and not (ordered and (cols // groups // BLOCK) & (cols // groups // BLOCK - 1))
             and not (lanes8 and "min" in w)
             and q.ndim == (3 if "layer" in w else 2) and native.available("qmatmul"))
+
+
+def many_rows_pay(x_bits: int) -> bool:
+    """Whether the kernel's products with packed 4-bit values beat XLA's at every row count (a
+    prompt's chunk, a batch of decodes), not only up to NATIVE_MAX_ROWS: with x in 8 bits on
+    a CPU with VNNI's 8-bit dot products (`native.multiplies_bytes`), where XLA dequantizes
+    the matrix every step and multiplies in float32. A prompt's 512-token chunk of
+    Qwen2.5-Coder-1.5B (--quantization int4) took 4.4 s against XLA's 7.4, 64 tokens 0.56 s
+    against 1.26, on a 2-vCPU Zen 4 EPYC (docs/performance-log.md, "Prompts through the 4-bit
+    kernel with 8-bit x"). With x in 24 bits (the default: three times the dot products)
+    XLA's product stays: the default model's 512 tokens took 0.89-0.97 s there against 0.69-0.76.
+    The rows then take x in 8 bits as a decode's do, so a token's numbers no longer depend on
+    whether it was a prompt's or a decode's."""
+    return x_bits == 8 and native.multiplies_bytes()
 
 
 def native_linear(x: jax.Array, w: dict, x_bits: int = FULL_X_BITS) -> jax.Array:

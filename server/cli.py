@@ -135,9 +135,10 @@ def parser() -> argparse.ArgumentParser:
                         "but greedy outputs then depend on what shares a request's steps")
     p.add_argument("--cpu-activation-dtype", choices=CPU_ACTIVATION_DTYPES, default="float32",
                    help="the precision x keeps in the CPU kernel's products with 4-bit "
-                        "weights (a few rows: decodes, drafting steps): float32, or int8 per "
-                        "block of 32 as llama.cpp's Q8 (a third of the multiplies: faster on "
-                        "CPUs without VNNI; other numerics, see docs/serving.md)")
+                        "weights (a few rows: decodes, drafting steps; every row with int8 "
+                        "where VNNI multiplies): float32, or int8 per block of 32 as "
+                        "llama.cpp's Q8 (a third of the multiplies: faster on CPUs without "
+                        "VNNI, and prompts faster with it; other numerics, see docs/serving.md)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's numbers do not depend on what shares its steps, so a "
                         "seeded request samples the same tokens alone or under load (CPU; "
