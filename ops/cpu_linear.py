@@ -49,7 +49,7 @@ def runs_native(dtype, quant: dict, *, sharded: bool) -> bool:
 
 
 def native_fits(x: jax.Array, w, any_rows: bool = False, lanes: bool = False,
-                x_bits: int = FULL_X_BITS) -> bool:
+                x_bits: int = FULL_X_BITS, wide_dtype=None) -> bool:
     """Whether ops/native's kernel takes this product: float32 rows (up to NATIVE_MAX_ROWS
     of them, or any number with `any_rows` or where `many_rows_pay`), and a matrix of
     one-per-int8 values with float16 scales per group of a multiple of 16 inputs (every
@@ -62,7 +62,7 @@ def native_fits(x: jax.Array, w, any_rows: bool = False, lanes: bool = False,
     ordered = q.dtype == jnp.uint8  # packed 4-bit, or 8-bit in the kernel's order (lanes8)
     lanes8 = ordered and q.shape[-1] == x.shape[1]
     if x.shape[0] > NATIVE_MAX_ROWS and not (
-            any_rows or (ordered and not lanes8 and many_rows_pay(x_bits))):
+            any_rows or (ordered and not lanes8 and many_rows_pay(x_bits, wide_dtype))):
         return False
     groups, cols = scale.shape[-1], q.shape[-1] * (2 if ordered and not lanes8 else 1)
     return (((ordered and lanes) or q.dtype == jnp.int8) and scale.dtype == jnp.float16
@@ -73,18 +73,20 @@ def native_fits(x: jax.Array, w, any_rows: bool = False, lanes: bool = False,
             and q.ndim == (3 if "layer" in w else 2) and native.available("qmatmul"))
 
 
-def many_rows_pay(x_bits: int) -> bool:
+def many_rows_pay(x_bits: int, wide_dtype=None) -> bool:
     """Whether the kernel's products with packed 4-bit values beat XLA's at every row count (a
     prompt's chunk, a batch of decodes), not only up to NATIVE_MAX_ROWS: with x in 8 bits on
     a CPU with VNNI's 8-bit dot products (`native.multiplies_bytes`), where XLA dequantizes
     the matrix every step and multiplies in float32. A prompt's 512-token chunk of
-    Qwen2.5-Coder-1.5B (--quantization int4) took 4.4 s against XLA's 7.4, 64 tokens 0.56 s
+    Qwen2.5-Coder-1.5B (--quantization int4) took 4.4 s against XLA's 7.4, 64 tokens 0.58 s
     against 1.26, on a 2-vCPU Zen 4 EPYC (docs/performance-log.md, "Prompts through the 4-bit
     kernel with 8-bit x"). With x in 24 bits (the default: three times the dot products)
     XLA's product stays: the default model's 512 tokens took 0.89-0.97 s there against 0.69-0.76.
-    The rows then take x in 8 bits as a decode's do, so a token's numbers no longer depend on
-    whether it was a prompt's or a decode's."""
-    return x_bits == 8 and native.multiplies_bytes()
+    So does an XLA product asked to multiply in another dtype (`wide_dtype`, --cpu-matmul-dtype
+    bfloat16: on AMX 5-7x float32's; not measured against the kernel). The rows then take x in
+    8 bits as a decode's do, so a token's numbers no longer depend on whether it was a
+    prompt's or a decode's."""
+    return x_bits == 8 and wide_dtype is None and native.multiplies_bytes()
 
 
 def native_linear(x: jax.Array, w: dict, x_bits: int = FULL_X_BITS) -> jax.Array:

@@ -41,7 +41,7 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
     `int8_activations`: `w` is per-channel int8 and `x` is quantized to int8 per row (w8a8).
     `native`: run xlaserve's CPU kernel where it serves (cpu_linear.native_fits);
     `any_rows`: at any number of rows (--batch-invariant), not only up to NATIVE_MAX_ROWS
-    (packed 4-bit values with `x_bits` 8 go there at any number where
+    (packed 4-bit values with `x_bits` 8 and no `wide_dtype` go there at any number where
     cpu_linear.many_rows_pay).
     `wide_dtype`: the dtype XLA's products of more than NATIVE_MAX_ROWS rows multiply in
     (xla_linear.wide_dtype), summed in `out_dtype` or x's. `x_bits`: the bits x keeps per
@@ -52,7 +52,7 @@ def linear(x: jax.Array, w, out_dtype=None, *, chunked: bool = True,
         y = _stacked_kernel(x, w, out_dtype)  # (it reads packed values in `pack`'s order)
         if y is not None:
             return y
-    if native and cpu_linear.native_fits(x, w, any_rows, lanes, x_bits):
+    if native and cpu_linear.native_fits(x, w, any_rows, lanes, x_bits, wide_dtype):
         y = cpu_linear.native_linear(x, w, x_bits)
         return y if out_dtype is None else y.astype(out_dtype)
     if isinstance(w, dict) and "layer" in w:
@@ -75,7 +75,8 @@ def linears(x: jax.Array, ws: list, *, native: bool = False, **kwargs) -> list[j
     any_rows = kwargs.get("any_rows", False)
     if (native and 1 < len(ws) <= NATIVE_MAX_MATRICES
             and all(cpu_linear.native_fits(x, w, any_rows, kwargs.get("lanes", False),
-                                           kwargs.get("x_bits", FULL_X_BITS)) for w in ws)):
+                                           kwargs.get("x_bits", FULL_X_BITS),
+                                           kwargs.get("wide_dtype")) for w in ws)):
         return cpu_linear.native_linears(x, ws, kwargs.get("x_bits", FULL_X_BITS))
     if (not native and not kwargs.get("int8_activations") and not kwargs.get("lanes")
             and len(ws) > 1):

@@ -231,6 +231,8 @@ def test_packed_4_bit_products_with_8_bit_x_take_every_row_count_where_vnni_mult
     vnni = native.multiplies_bytes()
     assert native_fits(jnp.asarray(x), w, lanes=True, x_bits=8) == vnni
     assert not native_fits(jnp.asarray(x), w, lanes=True, x_bits=24)
+    # --cpu-matmul-dtype bfloat16 asks for XLA's bfloat16 product (AMX's) at many rows
+    assert not native_fits(jnp.asarray(x), w, lanes=True, x_bits=8, wide_dtype=jnp.bfloat16)
     head = {"q": jnp.zeros((64, 608), jnp.uint8), "scale": jnp.ones((64, 19), jnp.float16)}
     assert not native_fits(jnp.asarray(x), head, lanes=True, x_bits=8)  # lanes8
     f = jax.jit(lambda x, w: linear(x, stacked(w, 1), native=True, lanes=True, x_bits=8))
