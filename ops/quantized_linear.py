@@ -72,12 +72,11 @@ def linears(x: jax.Array, ws: list, *, native: bool = False, **kwargs) -> list[j
     """`linear(x, w, ...)` for each of `ws` (same rows x): one native call for all where the
     CPU kernel takes every one of them (q, k and v; gate and up), one call of
     ops/pallas_gpu_matmul where it takes each and they are alike, else one product each."""
-    any_rows = kwargs.get("any_rows", False)
+    any_rows, x_bits = kwargs.get("any_rows", False), kwargs.get("x_bits", FULL_X_BITS)
     if (native and 1 < len(ws) <= NATIVE_MAX_MATRICES
-            and all(cpu_linear.native_fits(x, w, any_rows, kwargs.get("lanes", False),
-                                           kwargs.get("x_bits", FULL_X_BITS),
+            and all(cpu_linear.native_fits(x, w, any_rows, kwargs.get("lanes", False), x_bits,
                                            kwargs.get("wide_dtype")) for w in ws)):
-        return cpu_linear.native_linears(x, ws, kwargs.get("x_bits", FULL_X_BITS))
+        return cpu_linear.native_linears(x, ws, x_bits)
     if (not native and not kwargs.get("int8_activations") and not kwargs.get("lanes")
             and len(ws) > 1):
         # one ops/pallas_gpu_matmul kernel for all where it takes each, alike, of one layer
