@@ -42,7 +42,7 @@ from engine.distributed import is_distributed
 from engine.grammar import Grammars, fill_mask_after
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import PENDING, Sequence, SequenceStatus
 from models.known_models import KNOWN_MODELS, fetch_model
 from models.tokenizer import Tokenizer
 from ops import native
@@ -102,6 +102,7 @@ class DraftModel:
         # Seconds of each drafting round of the last `draw` that brought each sequence one or
         # two tokens (what a round costs once caught up; catching up a prompt is not one).
         self.round_seconds: list[float] = []
+        self._done = 0.0  # when `draw`'s last step read was done
 
     @classmethod
     def for_target(cls, target: EngineConfig, tokenizer: Tokenizer) -> DraftModel:
@@ -152,7 +153,12 @@ class DraftModel:
             self._computed[sid] = min(self._computed.get(sid, 0), e.start)
             if cache is not None:
                 self._record(e.seq, cache)
-        # The first round: each sequence's tokens since its draft K/V, through the last one.
+        # The first round: each sequence's tokens since its draft K/V, through the last one;
+        # then one token a round, the draft before it. Without a grammar the rounds go to the
+        # device back to back, each taking the token the round before it drew from the device
+        # (PENDING, as an overlapped decode takes its token), and their drafts are read after
+        # the last; a grammar's mask for draft j needs the drafts before it on the host.
+        steps = []  # (chunks, the dispatched step, the draft its chunks draw, when it began)
         budget = self.config.max_num_batched_tokens
         behind = list(entries)
         while behind:
@@ -164,13 +170,20 @@ class DraftModel:
                 n = min(e.start + 1 - done, left)
                 chunks.append(ScheduledSeq(e.seq, n, done, samples=done + n == e.start + 1))
                 left -= n
-            self._run(chunks, by_id, 0, seeds, grammar)
+            steps.append(self._submit(chunks, by_id, 0, seeds, grammar))
             behind = [e for e in behind if self._computed[e.seq.seq_id] < e.start + 1]
-        # Then one token a round: the draft before it.
+        if grammar is not None:
+            self._collect(steps, by_id)
         for j in range(1, max(len(e.drafts) for e in entries)):
             chunks = [ScheduledSeq(e.seq, 1, e.start + j, samples=True) for e in entries
                       if len(e.drafts) > j]
-            self._run(chunks, by_id, j, seeds, grammar)
+            if grammar is None:
+                for c in chunks:  # draft j - 1, on the device until read
+                    c.seq.token_ids[c.start] = PENDING
+            steps.append(self._submit(chunks, by_id, j, seeds, grammar))
+            if grammar is not None:
+                self._collect(steps, by_id)
+        self._collect(steps, by_id)
 
     def _forget(self, seq_id: int) -> None:
         self._computed.pop(seq_id, None)
@@ -200,11 +213,12 @@ class DraftModel:
             i += 1
         self._recorded[sid] = i
 
-    def _run(self, chunks: list[ScheduledSeq], entries: dict[int, ScheduledSeq], j: int,
-             seeds: dict[int, int], grammar) -> None:
-        """One step of the draft model over `chunks`; a chunk that samples draws its entry's
-        draft j (the token at position entry.start + 1 + j)."""
-        start = time.perf_counter()
+    def _submit(self, chunks: list[ScheduledSeq], entries: dict[int, ScheduledSeq], j: int,
+                seeds: dict[int, int], grammar):
+        """Dispatch one step of the draft model over `chunks` (a chunk that samples draws its
+        entry's draft j, the token at position entry.start + 1 + j) and book what it writes;
+        `_collect` reads its drafts."""
+        started = time.perf_counter()
         batch = self.input_batch.build(SchedulerOutput(chunks, []), seeds)
         if grammar is not None:
             grammars, matchers = grammar
@@ -213,19 +227,32 @@ class DraftModel:
             if rows:
                 batch.token_mask = functools.partial(fill_mask_after, grammars, rows,
                                                      batch.bucket[1])
-        result = self.runner.run(batch)
+        pending = self.runner.submit(batch)
         self.num_rounds += 1
-        if max(c.num_new_tokens for c in chunks) <= 2:
-            self.round_seconds.append(time.perf_counter() - start)
         size = self.config.block_size
-        for row, chunk in enumerate(chunks):
+        for chunk in chunks:
             sid = chunk.seq.seq_id
             table = chunk.seq.block_table
             for i in range(chunk.start // size, (chunk.end - 1) // size + 1):
                 self._page_hashes.pop(table[i], None)  # written again: recorded afresh
             self._computed[sid] = chunk.end
-            if chunk.samples:
-                entry = entries[sid]
-                token = int(result.token_ids[row])
-                entry.drafts[j] = token
-                entry.seq.token_ids[entry.start + 1 + j] = token
+        return chunks, pending, j, started
+
+    def _collect(self, steps: list, entries: dict[int, ScheduledSeq]) -> None:
+        """Wait for the dispatched steps in order (emptying `steps`) and write their drafts.
+        A round that brought each sequence a token or two is timed into `round_seconds`,
+        from when it began or, if later, when the round before it was done (the device's
+        time where the rounds ran back to back)."""
+        for chunks, pending, j, started in steps:
+            result = pending.result()
+            now = time.perf_counter()
+            if max(c.num_new_tokens for c in chunks) <= 2:
+                self.round_seconds.append(now - max(started, self._done))
+            self._done = now
+            for row, chunk in enumerate(chunks):
+                if chunk.samples:
+                    entry = entries[chunk.seq.seq_id]
+                    token = int(result.token_ids[row])
+                    entry.drafts[j] = token
+                    entry.seq.token_ids[entry.start + 1 + j] = token
+        steps.clear()

@@ -13,13 +13,17 @@ Each server is started, waited for, benchmarked at every concurrency and stopped
 the next one starts, so they never share the CPU. Prompts are random text of common
 words (one token each) so servers without token-id prompts get the same input; every
 request asks for exactly --output-len tokens (ignore_eos / min_tokens), and the table
-counts the requests that came back with another length. Each server's time from start to
+counts the requests that came back with another length (with `--natural-length`, each
+reply ends where the model ends it, at most --output-len tokens, and the table counts those
+cut there). Each server's time from start to
 ready and its resident memory once ready are kept too, and so are the machine's matmul
 and copy ceilings, measured before and after.
 
 `--dataset FILE` sends conversations from a JSON-lines file to /v1/chat/completions instead
 (`engine.bench serve --dataset`), e.g. the edits and quoted summaries of
-tests/data/grounded_prompts.jsonl. `--speculative` runs each server a second time with
+tests/data/grounded_prompts.jsonl. A rewrite's reply is as long as the text it rewrites, so
+`--natural-length --output-len 1024` measures whole replies (greedy: every server and arm
+generates the same replies up to near-ties, and the table gives each run's output tokens). `--speculative` runs each server a second time with
 speculative decoding by prompt lookup, named NAME+spec: xlaserve with `--speculative-config
 SPEC_JSON` (--xlaserve-spec), llama-server with `--spec-type ngram-simple` (--llama-spec);
 with `--draft-model NAME` (a known model sharing the vocabulary of `--model NAME`), by that
@@ -198,8 +202,9 @@ def bench(url: str, label: str, concurrency: int, args, out: Path) -> dict:
     path = out / f"{label}-c{concurrency}.json"
     prompts = (["--dataset", str(args.dataset)] if args.dataset else
                ["--input-len", str(args.input_len), "--text-prompts"])
+    length = [] if args.natural_length else ["--ignore-eos"]
     task = (["--task", "embed", "--input-len", str(args.input_len)] if args.task == "embed" else
-            ["--output-len", str(args.output_len), "--ignore-eos", *prompts])
+            ["--output-len", str(args.output_len), *length, *prompts])
     cmd = [sys.executable, "-m", "engine.bench", "serve", "--base-url", url, "--model",
            served_model(args), "--num-prompts", str(args.num_prompts), *task,
            "--max-concurrency", str(concurrency), "--no-ceilings",
@@ -210,10 +215,12 @@ def bench(url: str, label: str, concurrency: int, args, out: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def wrong_lengths(run: dict) -> int:
-    """Completed requests whose output length is not the one asked for."""
+def wrong_lengths(run: dict, natural: bool = False) -> int:
+    """Completed requests whose output length is not the one asked for (`natural`: those cut
+    at the longest asked for)."""
     return sum(1 for want, got, err in zip(run["requested_output_lens"], run["output_lens"],
-                                           run["errors"], strict=True) if not err and got != want)
+                                           run["errors"], strict=True)
+               if not err and (got == want if natural else got != want))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -227,6 +234,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="requests a run (default: 64; embed: 256, a text being quick)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--natural-length", action="store_true",
+                   help="--dataset: replies end where the model ends them, at most --output-len "
+                        "tokens (default: exactly --output-len, past the model's end)")
     p.add_argument("--servers", type=lambda s: s.split(","),
                    help=f"comma-separated, from {','.join(SERVERS)} (default: xlaserve and "
                         "each server whose path is given)")
@@ -286,6 +296,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         draft = str(fetch_model(args.draft_model))
         args.xlaserve_spec = json.dumps({"model": draft, "num_speculative_tokens": 4})
         args.llama_spec = f"--spec-type draft-simple -md {draft} --spec-draft-n-max 4"
+    if args.natural_length and not args.dataset:
+        p.error("--natural-length is for --dataset (random prompts have no end of their own)")
     if args.model and embed:
         p.error("--task embed measures its own model")
     if args.speculative:
@@ -327,7 +339,9 @@ def run_summary(run: dict, args) -> dict:
     keys = EMBED_KEYS if args.task == "embed" else GENERATE_KEYS
     out = {k: run[k] for k in ("label", "completed", "failed", "duration_s",
                                "total_input_tokens", *keys, "host", "cpu_count")}
-    return out if args.task == "embed" else out | {"wrong_length": wrong_lengths(run)}
+    if args.task == "embed":
+        return out
+    return out | {"wrong_length": wrong_lengths(run, args.natural_length)}
 
 
 def print_runs(runs: list[dict], args) -> None:
@@ -340,12 +354,15 @@ def print_runs(runs: list[dict], args) -> None:
                   f"{r['total_token_throughput']:.0f} | {r['mean_e2el_ms']:.1f} | "
                   f"{r['median_e2el_ms']:.1f} | {r['p99_e2el_ms']:.1f} | {r['failed']} |")
         return
-    print("\n| server | concurrency | output tok/s | median TTFT ms | median TPOT ms | failed | "
-          f"not {args.output_len} tokens |\n|---|---|---|---|---|---|---|")
+    lengths = (f"cut at {args.output_len} tokens" if args.natural_length
+               else f"not {args.output_len} tokens")
+    print("\n| server | concurrency | output tok/s | output tokens | median TTFT ms | "
+          f"median TPOT ms | failed | {lengths} |\n|---|---|---|---|---|---|---|---|")
     for r in runs:
         name, c = r["label"].rsplit(" c=", 1)
-        print(f"| {name} | {c} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} | "
-              f"{r['median_tpot_ms']:.1f} | {r['failed']} | {r['wrong_length']} |")
+        print(f"| {name} | {c} | {r['output_throughput']:.1f} | {r['total_output_tokens']} | "
+              f"{r['median_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} | {r['failed']} | "
+              f"{r['wrong_length']} |")
 
 
 def main(argv=None) -> int:

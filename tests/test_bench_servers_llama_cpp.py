@@ -94,6 +94,22 @@ def test_wrong_lengths_counts_completed_requests_only():
     run = {"requested_output_lens": [8, 8, 8, 8], "output_lens": [8, 7, 0, 9],
            "errors": ["", "", "HTTP 500", ""]}
     assert bench_servers.wrong_lengths(run) == 2
+    assert bench_servers.wrong_lengths(run, natural=True) == 1  # cut at the longest asked for
+
+
+def test_natural_length_lets_replies_end_and_needs_a_dataset(monkeypatch, tmp_path, capsys):
+    sent = []
+    monkeypatch.setattr(bench_servers.subprocess, "run", lambda cmd: sent.append(cmd))
+    (tmp_path / "x-c1.json").write_text("{}")
+    for natural in ([], ["--natural-length"]):
+        args = bench_servers.parse_args(["--dataset", "d.jsonl", "--output-len", "1024",
+                                         *natural])
+        bench_servers.bench("http://h", "x", 1, args, tmp_path)
+    assert "--ignore-eos" in sent[0] and "--ignore-eos" not in sent[1]
+    assert sent[1][sent[1].index("--output-len") + 1] == "1024"  # the cap
+    with pytest.raises(SystemExit):
+        bench_servers.parse_args(["--natural-length"])
+    assert "--natural-length is for --dataset" in capsys.readouterr().err
 
 
 def test_running_reports_ready_time_and_memory_and_stops_the_server(tmp_path):

@@ -415,9 +415,8 @@ def test_the_cost_model_learns_each_step_from_the_result_before_it(overlap, meth
             self.rounds.append(seconds)
 
     class DraftRunner(FakeRunner):
-        def run(self, batch):
-            clock[0] += 0.010 + 0.003 * batch.bucket[0]
-            return super().run(batch)
+        def submit(self, batch):
+            return Timed(self.run(batch), 0.010 + 0.003 * batch.bucket[0])
 
     spec = NGRAM if method == "ngram" else DRAFTING
     cfg = EngineConfig(model="fake", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
@@ -665,6 +664,33 @@ def test_a_prompts_first_token_comes_out_before_the_drafts_after_it(prompt):
     assert draft_steps and eng.scheduler.drafting.stats.num_accepted_tokens > 0
 
 
+def test_a_draft_models_rounds_go_to_the_device_back_to_back():
+    """Without a grammar, a drawing's rounds are all dispatched before the first is read:
+    each takes the draft before it from the device (the runner's last token of the slot),
+    and the host reads the drafts after the last; the tokens are the target's."""
+    events = []
+
+    class Logged(FakeRunner):
+        def submit(self, batch):
+            events.append("s")
+            done = super().submit(batch)
+            return types.SimpleNamespace(result=lambda: events.append("r") or done.result())
+
+    class Drawing(DraftModel):
+        def draw(self, *args, **kwargs):
+            events.append("|")
+            return super().draw(*args, **kwargs)
+
+    eng = _drafting_engine(Drawing, Logged(modulus=10), max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (out,) = eng.generate([[3, 4, 5, 6, 7, 8]], params)
+    assert out.outputs[0].token_ids == [(9 + i) % 10 for i in range(12)]
+    assert eng.scheduler.drafting.stats.num_accepted_tokens > 0
+    drawings = [d for d in "".join(events).split("|") if d]
+    assert drawings and all(d == "s" * (len(d) // 2) + "r" * (len(d) // 2) for d in drawings)
+    assert max(map(len, drawings)) >= 2 * 3  # 3 drafts (a step of 4 tokens): 3 rounds
+
+
 def test_a_draft_model_skips_the_pages_a_prefix_cache_hit_brings_its_kv_for():
     """The same prompt again: the draft's first round starts after the pages from the prefix
     cache (their draft K/V is there, written for that content); a prompt sharing only its
@@ -672,10 +698,10 @@ def test_a_draft_model_skips_the_pages_a_prefix_cache_hit_brings_its_kv_for():
     firsts = []
 
     class Recording(DraftModel):
-        def _run(self, chunks, entries, j, seeds, grammar):
+        def _submit(self, chunks, entries, j, seeds, grammar):
             if j == 0:
                 firsts.extend((c.seq.seq_id, c.start) for c in chunks)
-            super()._run(chunks, entries, j, seeds, grammar)
+            return super()._submit(chunks, entries, j, seeds, grammar)
 
     eng = _drafting_engine(Recording, FakeRunner(modulus=10), max_num_seqs=4, block_size=4,
                            num_blocks=40)
