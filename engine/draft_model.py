@@ -3,7 +3,9 @@ the k tokens a decode brings to the target's step (engine/speculative.py verifie
 
 The scheduler books a drafting decode's k positions as TO_DRAW (engine/drafting.py), and
 before the step is built the draft model draws them: one step of the draft model gives every
-drafting sequence its first draft, then k - 1 one-token steps the rest. Each draft is drawn
+drafting sequence its first draft, then k - 1 one-token steps the rest, dispatched back to
+back (each takes the draft before it from the device) unless a grammar's mask needs the drafts
+before it on the host. Each draft is drawn
 as the target will draw that position: with the target's sampling parameters and the uniform
 of the position (seed, output index; ops.sampling_metadata.row_uniforms), so where the two
 models' distributions agree, their draws (inverse CDFs at one uniform) agree, and the target

@@ -23,7 +23,8 @@ and copy ceilings, measured before and after.
 (`engine.bench serve --dataset`), e.g. the edits and quoted summaries of
 tests/data/grounded_prompts.jsonl. A rewrite's reply is as long as the text it rewrites, so
 `--natural-length --output-len 1024` measures whole replies (greedy: every server and arm
-generates the same replies up to near-ties, and the table gives each run's output tokens). `--speculative` runs each server a second time with
+generates the same replies up to near-ties, and the table gives each run's output tokens).
+`--speculative` runs each server a second time with
 speculative decoding by prompt lookup, named NAME+spec: xlaserve with `--speculative-config
 SPEC_JSON` (--xlaserve-spec), llama-server with `--spec-type ngram-simple` (--llama-spec);
 with `--draft-model NAME` (a known model sharing the vocabulary of `--model NAME`), by that
