@@ -44,7 +44,7 @@ from engine.distributed import is_distributed
 from engine.grammar import Grammars, fill_mask_after
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.sequence import PENDING, Sequence, SequenceStatus
+from engine.sequence import PENDING, TO_DRAW, Sequence, SequenceStatus
 from models.known_models import KNOWN_MODELS, fetch_model
 from models.tokenizer import Tokenizer
 from ops import native
@@ -161,6 +161,12 @@ class DraftModel:
         # (PENDING, as an overlapped decode takes its token), and their drafts are read after
         # the last; a grammar's mask for draft j needs the drafts before it on the host.
         steps = []  # (chunks, the dispatched step, the draft its chunks draw, when it began)
+
+        def dispatch(chunks: list[ScheduledSeq], j: int) -> None:
+            steps.append(self._submit(chunks, by_id, j, seeds, grammar))
+            if grammar is not None:
+                self._collect(steps, by_id)
+
         budget = self.config.max_num_batched_tokens
         behind = list(entries)
         while behind:
@@ -172,19 +178,15 @@ class DraftModel:
                 n = min(e.start + 1 - done, left)
                 chunks.append(ScheduledSeq(e.seq, n, done, samples=done + n == e.start + 1))
                 left -= n
-            steps.append(self._submit(chunks, by_id, 0, seeds, grammar))
+            dispatch(chunks, 0)
             behind = [e for e in behind if self._computed[e.seq.seq_id] < e.start + 1]
-        if grammar is not None:
-            self._collect(steps, by_id)
         for j in range(1, max(len(e.drafts) for e in entries)):
             chunks = [ScheduledSeq(e.seq, 1, e.start + j, samples=True) for e in entries
                       if len(e.drafts) > j]
-            if grammar is None:
-                for c in chunks:  # draft j - 1, on the device until read
+            for c in chunks:  # draft j - 1, if not read yet: on the device
+                if c.seq.token_ids[c.start] == TO_DRAW:
                     c.seq.token_ids[c.start] = PENDING
-            steps.append(self._submit(chunks, by_id, j, seeds, grammar))
-            if grammar is not None:
-                self._collect(steps, by_id)
+            dispatch(chunks, j)
         self._collect(steps, by_id)
 
     def _forget(self, seq_id: int) -> None:
