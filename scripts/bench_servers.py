@@ -216,12 +216,21 @@ def bench(url: str, label: str, concurrency: int, args, out: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def wrong_lengths(run: dict, natural: bool = False) -> int:
-    """Completed requests whose output length is not the one asked for (`natural`: those cut
-    at the longest asked for)."""
-    return sum(1 for want, got, err in zip(run["requested_output_lens"], run["output_lens"],
-                                           run["errors"], strict=True)
-               if not err and (got == want if natural else got != want))
+def _completed_lengths(run: dict):
+    """(asked for, got) of each completed request."""
+    return [(want, got) for want, got, err in zip(run["requested_output_lens"],
+                                                 run["output_lens"], run["errors"], strict=True)
+            if not err]
+
+
+def wrong_lengths(run: dict) -> int:
+    """Completed requests whose output length is not the one asked for."""
+    return sum(1 for want, got in _completed_lengths(run) if got != want)
+
+
+def cut_replies(run: dict) -> int:
+    """Completed requests cut at the longest asked for (`--natural-length`)."""
+    return sum(1 for want, got in _completed_lengths(run) if got == want)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -342,7 +351,7 @@ def run_summary(run: dict, args) -> dict:
                                "total_input_tokens", *keys, "host", "cpu_count")}
     if args.task == "embed":
         return out
-    return out | {"wrong_length": wrong_lengths(run, args.natural_length)}
+    return out | {"wrong_length": (cut_replies if args.natural_length else wrong_lengths)(run)}
 
 
 def print_runs(runs: list[dict], args) -> None:

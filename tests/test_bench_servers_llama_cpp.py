@@ -94,7 +94,7 @@ def test_wrong_lengths_counts_completed_requests_only():
     run = {"requested_output_lens": [8, 8, 8, 8], "output_lens": [8, 7, 0, 9],
            "errors": ["", "", "HTTP 500", ""]}
     assert bench_servers.wrong_lengths(run) == 2
-    assert bench_servers.wrong_lengths(run, natural=True) == 1  # cut at the longest asked for
+    assert bench_servers.cut_replies(run) == 1  # cut at the longest asked for
 
 
 def test_natural_length_lets_replies_end_and_needs_a_dataset(monkeypatch, tmp_path, capsys):
