@@ -18,8 +18,11 @@ the target's page tables: the same pages, each holding the draft's K/V in its ow
 sequence's draft K/V is written only while it drafts: `_computed` counts the tokens written
 for it, and the first step of a drafting round brings the tokens since (the whole prompt
 when it first drafts, in chunks of the step budget; after a round, the last draft and the
-sampled token, or just the sampled token when drafts were rejected). A preempted sequence
-starts again from nothing, since its pages changed.
+sampled token, or just the sampled token when drafts were rejected; after steps that did not
+draw, such as plain steps while a sequence waits or steps with prompt lookup's drafts, their
+tokens too). Every step cuts `_computed` back to where it starts, the target's computed
+tokens, so K/V the draft wrote for drafts the target rejected is never taken for context. A
+preempted sequence starts again from nothing, since its pages changed.
 
 A page from the prefix cache brings its draft K/V too where the draft wrote it for that
 content: the draft records, for each page it computed whole with verified tokens, the prefix
@@ -144,15 +147,18 @@ class DraftModel:
                        if s.status is not SequenceStatus.RUNNING]:
             self._forget(seq_id)
         self.round_seconds = []
-        entries = [e for e in out.scheduled if e.drafts]
+        for e in out.scheduled:  # K/V past the target's computed tokens is of rejected drafts
+            sid = e.seq.seq_id
+            if sid in self._computed:  # (a step after a verified one starts after its last kept)
+                self._computed[sid] = min(self._computed[sid], e.start)
+        entries = [e for e in out.scheduled if e.drafts and not e.looked_up]
         if not entries:
             return
         by_id = {e.seq.seq_id: e for e in entries}
-        for e in entries:  # K/V past the target's computed tokens is of rejected drafts
+        for e in entries:
             sid = e.seq.seq_id
-            if sid not in self._computed and cache is not None:
-                self._computed[sid] = self._written(e.seq, cache)
-            self._computed[sid] = min(self._computed.get(sid, 0), e.start)
+            if sid not in self._computed:
+                self._computed[sid] = self._written(e.seq, cache) if cache is not None else 0
             if cache is not None:
                 self._record(e.seq, cache)
         # The first round: each sequence's tokens since its draft K/V, through the last one;

@@ -36,7 +36,7 @@ class Drafting:
         self.drafters: dict[int, Drafter] = {}  # seq_id -> its drafting state
         self.stats = SpecDecodeStats()
         self.step_costs = StepCosts()
-        # seq_id -> (its length, the proposal for it): `may_propose`'s lookup on a sequence
+        # seq_id -> (its length, the proposal for it): `may_look_up`'s lookup on a sequence
         # with no token in flight, which `draft` takes in the same step instead of looking
         # up again (cleared each step: a sequence cut back may regrow to the same length)
         self._proposed: dict[int, tuple[int, list[int]]] = {}
@@ -52,12 +52,15 @@ class Drafting:
                 and p.repetition_penalty == 1 and seq.num_tokens - seq.num_computed_tokens <= 1
                 and (drafter is None or drafter.ready(seq.num_output_tokens)))
 
-    def pays(self, seq: Sequence, tokens: int, gain: float, room: int) -> int:
-        """Drafts (0 .. room) that pay for `seq` in a step of `tokens` tokens and `gain`."""
+    def pays(self, seq: Sequence, tokens: int, gain: float, room: int,
+             looked_up: bool = False) -> int:
+        """Drafts (0 .. room) that pay for `seq` in a step of `tokens` tokens and `gain`;
+        `looked_up`: prompt lookup's, beside a draft model."""
         drafter = self.drafters.get(seq.seq_id)
-        return drafts_that_pay(drafter is not None and drafter.probing, self.acceptance(seq),
-                               room, tokens, gain,
-                               lambda n: self.config.bucket_for(n, 1)[0], self.step_costs)
+        probing = drafter is not None and drafter.probing and not looked_up
+        return drafts_that_pay(probing, self.acceptance(seq, looked_up), room, tokens, gain,
+                               lambda n: self.config.bucket_for(n, 1)[0], self.step_costs,
+                               looked_up)
 
     def may_speculate(self, running: list[Sequence]) -> bool:
         """Whether the next step of `running` may draft (the engine then reads the step in
@@ -69,16 +72,18 @@ class Drafting:
             return False
         others = len(running) - 1  # about what the other decodes bring
         room = min(spec.num_speculative_tokens, self.config.max_num_batched_tokens - others - 1)
-        return any(self.may_draft(s) and self.may_propose(s)
-                   and self.pays(s, others, others, room) > 0 for s in running)
+        model = spec.method == "draft_model"
+        return any(self.may_draft(s) and (
+            (model and self.pays(s, others, others, room) > 0)
+            or (spec.looks_up and self.may_look_up(s)
+                and self.pays(s, others, others, room, looked_up=model) > 0))
+            for s in running)
 
-    def may_propose(self, seq: Sequence) -> bool:
-        """Whether `seq`'s next step may find drafts: always for a draft model; for prompt
-        lookup, whether its known tokens leave a match possible (`may_match`), so that a
-        sequence in text that repeats nothing keeps its overlapped steps."""
+    def may_look_up(self, seq: Sequence) -> bool:
+        """Whether prompt lookup may find drafts for `seq`'s next step: whether its known
+        tokens leave a match possible (`may_match`), so that a sequence in text that repeats
+        nothing keeps its overlapped steps."""
         spec = self.config.speculative
-        if spec.method == "draft_model":
-            return True
         if seq.num_pending:
             return may_match(seq.token_ids[:len(seq.token_ids) - seq.num_pending],
                              spec.prompt_lookup_min)
@@ -109,30 +114,39 @@ class Drafting:
         if room < 1:
             return
         drafter = self.drafter(seq)
-        if spec.method == "draft_model":  # drawn once the step is booked (engine/draft_model.py)
+        # (the lookup's match does not depend on k)
+        drafts = self._propose(seq)[:room] if spec.looks_up else []
+        looked_up = bool(drafts) and spec.method == "draft_model"
+        if looked_up:  # prompt lookup first; a draft model's where it finds nothing or loses
+            drafts = drafts[:self.pays(seq, tokens, gain, len(drafts), looked_up=True)]
+        if not drafts and spec.method == "draft_model":
+            looked_up = False  # drawn once the step is booked (engine/draft_model.py)
             drafts = [TO_DRAW] * room
-        else:
-            drafts = self._propose(seq)[:room]  # (the lookup's match does not depend on k)
         if not drafts:
             drafter.record(seq.num_output_tokens, 0, 0)
             return
-        drafts = drafts[:self.pays(seq, tokens, gain, len(drafts))]
-        if not drafts:
-            drafter.step_aside(seq.num_output_tokens)
-            return
+        if not looked_up:
+            drafts = drafts[:self.pays(seq, tokens, gain, len(drafts))]
+            if not drafts:
+                drafter.step_aside(seq.num_output_tokens)
+                return
         seq.token_ids.extend(drafts)
         if not self.blocks.can_append(seq):
             seq.truncate(seq.num_tokens - len(drafts))
             return
         self.blocks.may_append(seq)
         entry.drafts = drafts
+        entry.looked_up = looked_up
         entry.num_new_tokens += len(drafts)
 
-    def acceptance(self, seq: Sequence) -> float:
-        """How often `seq`'s drafts are kept: its drafter's, or before it has one, what the
-        sequences before it met lately (SpecDecodeStats.recent_acceptance)."""
+    def acceptance(self, seq: Sequence, looked_up: bool = False) -> float:
+        """How often `seq`'s drafts are kept (`looked_up`: its prompt lookup's beside a draft
+        model): its drafter's, or before it has one, what the sequences before it met lately
+        (SpecDecodeStats.recent_acceptance)."""
         drafter = self.drafters.get(seq.seq_id)
-        return self.stats.recent_acceptance if drafter is None else drafter.acceptance
+        if drafter is None:
+            return self.stats.recent_acceptance
+        return drafter.lookup_acceptance if looked_up else drafter.acceptance
 
     def drafter(self, seq: Sequence) -> Drafter:
         """A sequence's drafting state, made on first use from `acceptance`."""
@@ -148,7 +162,10 @@ class Drafting:
         kept = accepted_length(drafts, rows)
         self.stats.record(len(drafts), kept)
         base = entry.start + 1  # the last token before the drafts is computed
-        self.drafter(seq).record(base - seq.num_prompt_tokens, len(drafts), kept)
+        if entry.looked_up:  # beside a draft model: no waiting, the model drafts next
+            self.drafter(seq).record_lookup(len(drafts), kept)
+        else:
+            self.drafter(seq).record(base - seq.num_prompt_tokens, len(drafts), kept)
         seq.truncate(base)  # the drafts and the pending token
         seq.num_computed_tokens = base + kept
         return [*drafts[:kept], rows[kept]]

@@ -46,6 +46,8 @@ class ScheduledSeq:
     # Proposed tokens at the end of this chunk (speculative decoding, engine/speculative.py):
     # the step samples after each of its last len(drafts) + 1 positions.
     drafts: list[int] = dataclasses.field(default_factory=list)
+    # Whether they are prompt lookup's beside a draft model (which draws the others).
+    looked_up: bool = False
     # The tokens the step added to the sequence, set by `postprocess`: the kept drafts and the
     # token sampled after them, up to a stop.
     new_tokens: list[int] = dataclasses.field(default_factory=list)
@@ -156,7 +158,8 @@ class Scheduler:
                     self.drafting.draft(entry, min(budget - 1, rows), tokens, gain)
                     num_drafts += len(entry.drafts)
                 if n == seq.num_tokens - seq.num_computed_tokens:  # a decode: it samples
-                    gain += expected_tokens(self.drafting.acceptance(seq), len(entry.drafts))
+                    gain += expected_tokens(self.drafting.acceptance(seq, entry.looked_up),
+                                            len(entry.drafts))
                 scheduled.append(entry)
                 budget -= entry.num_new_tokens
                 i += 1

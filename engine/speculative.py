@@ -11,6 +11,11 @@ token (`accept`), and rolls the rest back: its K/V positions are recomputed late
 freed, and the prefix cache only ever holds computed, verified tokens (engine/drafting.py,
 engine/scheduler.py).
 
+A draft model given prompt_lookup_max or _min drafts only where prompt lookup finds nothing:
+a step takes the lookup's drafts where there are some (they cost no drafting rounds), the
+model's otherwise, and a lookup that lost costs no waiting (each kind keeps its own
+acceptance in the sequence's `Drafter`). Both are verified the same way.
+
 For a draft without probabilities (one token, as prompt lookup proposes) this is rejection
 sampling: the draft d is kept with probability p(d), the target's probability after every
 filter, and a rejected position gets the target's token drawn from p without d, renormalised.
@@ -51,16 +56,20 @@ class SpeculativeConfig:
     # name; engine/draft_model.py). Given alone, it sets the method, as in vLLM.
     model: str | None = None
     # Longest and shortest suffix looked up in the sequence so far. Drafts after a suffix of
-    # 3 or more are kept more often (docs/serving.md); unset, the shortest is
-    # min(3, prompt_lookup_max).
-    prompt_lookup_max: int = 8
+    # 3 or more are kept more often (docs/serving.md); unset, the longest is 8 and the
+    # shortest min(3, prompt_lookup_max). Given with a model, prompt lookup drafts first and
+    # the model only where it finds nothing (`looks_up`).
+    prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     # Sequences in a step up to which drafting runs (a larger batch is compute-bound already
     # and keeps its overlapped steps); None: max_num_seqs // (k + 1).
     max_seqs: int | None = None
 
     def __post_init__(self):
-        if self.prompt_lookup_min is None:
+        if self.prompt_lookup_max is None and (self.method == "ngram"
+                                               or self.prompt_lookup_min is not None):
+            object.__setattr__(self, "prompt_lookup_max", max(8, self.prompt_lookup_min or 0))
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is not None:
             object.__setattr__(self, "prompt_lookup_min", min(3, self.prompt_lookup_max))
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, got "
@@ -68,7 +77,7 @@ class SpeculativeConfig:
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16], got "
                              f"{self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+        if self.looks_up and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.max_seqs is not None and self.max_seqs < 1:
@@ -76,6 +85,12 @@ class SpeculativeConfig:
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError('--speculative-config: a draft model is {"model": PATH_OR_NAME, '
                              '"num_speculative_tokens": k}; prompt lookup takes no model')
+
+    @property
+    def looks_up(self) -> bool:
+        """Whether drafts come from prompt lookup: always for "ngram"; for a draft model, where
+        prompt_lookup_max or _min is given (lookup first, the model where it finds nothing)."""
+        return self.prompt_lookup_max is not None
 
     @classmethod
     def parse(cls, text: str | dict | None) -> SpeculativeConfig | None:
@@ -190,11 +205,19 @@ class Drafter:
     next_at: int = 0   # output index from which it may draft
     backoff: int = 1
     acceptance: float = 0.7  # before any evidence: prompt lookup's usual rate on edits
+    # A draft model that looks up first: how often prompt lookup's drafts are kept (those of
+    # the model are `acceptance`). A lookup that finds nothing or loses costs no waiting: the
+    # model drafts next.
+    lookup_acceptance: float = 0.7
 
     def ready(self, num_output_tokens: int) -> bool:
         return num_output_tokens >= self.next_at
 
     probing: bool = False    # after stepping aside: the next draft goes in full, to learn
+
+    def record_lookup(self, proposed: int, accepted: int) -> None:
+        self.lookup_acceptance = kept_average(self.lookup_acceptance, self.RATE, proposed,
+                                              accepted)
 
     def record(self, num_output_tokens: int, proposed: int, accepted: int) -> None:
         self.acceptance = kept_average(self.acceptance, self.RATE, proposed, accepted)
@@ -250,18 +273,20 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 def choose_drafts(acceptance: float, room: int, tokens: int, gain: float,
-                  bucket_of, costs: StepCosts) -> int:
+                  bucket_of, costs: StepCosts, looked_up: bool = False) -> int:
     """How many drafts (0 .. room) a decode should bring to a step that holds `tokens` tokens
     and an expected `gain` tokens before it: the most expected tokens per second for the
     whole step. A bucket not timed yet counts as costing what the step costs without drafts
-    (so it is tried, and timed)."""
+    (so it is tried, and timed). A draft model's drafts cost its rounds too; `looked_up`
+    drafts (prompt lookup's) cost nothing to find."""
     base = costs.of(bucket_of(tokens + 1))
     best, best_rate = 0, None
     for k in range(room + 1):
         cost = costs.of(bucket_of(tokens + 1 + k)) or base
         if cost is None:  # nothing timed at all: draft in full
             return room
-        cost += k * (costs.draft_round or 0.0)
+        if not looked_up:
+            cost += k * (costs.draft_round or 0.0)
         rate = (gain + expected_tokens(acceptance, k)) / cost
         if best_rate is None or rate > best_rate * 1.0001:
             best, best_rate = k, rate
@@ -315,12 +340,12 @@ class SpecDecodeStats:
 
 
 def drafts_that_pay(probing: bool, acceptance: float, room: int, tokens: int, gain: float,
-                    bucket_of, costs: StepCosts) -> int:
+                    bucket_of, costs: StepCosts, looked_up: bool = False) -> int:
     """`choose_drafts` for a sequence of that acceptance; in full while it probes after
     having stepped aside (Drafter.probing)."""
     if probing:
         return room
-    return choose_drafts(acceptance, room, tokens, gain, bucket_of, costs)
+    return choose_drafts(acceptance, room, tokens, gain, bucket_of, costs, looked_up)
 
 
 def fit_drafts(scheduled, num_drafts: int, token_buckets, blocks) -> None:

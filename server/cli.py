@@ -147,8 +147,10 @@ def parser() -> argparse.ArgumentParser:
                    help='speculative decoding, vLLM\'s keys: prompt lookup \'{"method": '
                         '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 8, '
                         '"prompt_lookup_min": 3}\' or a draft model of the same vocabulary '
-                        '\'{"model": PATH_OR_NAME, "num_speculative_tokens": 4}\' (off by '
-                        'default; drafts only while a step has few sequences; docs/serving.md)')
+                        '\'{"model": PATH_OR_NAME, "num_speculative_tokens": 4}\', with '
+                        '"prompt_lookup_max" beside "model": prompt lookup first, the model '
+                        'where it finds nothing (off by default; drafts only while a step has '
+                        'few sequences; docs/serving.md)')
     p.add_argument("--task", choices=TASKS, default="auto",
                    help="what each model serves: generate (completions, chat, responses) or "
                         "embed (pooled vectors at /v1/embeddings); auto: an encoder-only "

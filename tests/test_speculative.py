@@ -97,6 +97,12 @@ def test_the_flag_takes_vllms_keys_and_refuses_the_rest_clearly():
     draft = SpeculativeConfig.parse('{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 3}')
     assert (draft.method, draft.model, draft.num_speculative_tokens) == (
         "draft_model", "qwen2.5-coder-0.5b", 3)
+    assert plain.looks_up and not draft.looks_up  # a draft model alone looks nothing up
+    both = SpeculativeConfig.parse('{"model": "m", "prompt_lookup_max": 5}')
+    assert (both.method, both.looks_up, both.prompt_lookup_max, both.prompt_lookup_min) == (
+        "draft_model", True, 5, 3)
+    low = SpeculativeConfig.parse('{"model": "m", "prompt_lookup_min": 2}')
+    assert (low.looks_up, low.prompt_lookup_max, low.prompt_lookup_min) == (True, 8, 2)
 
 
 def test_acceptance_and_backoff():
@@ -115,28 +121,36 @@ def test_acceptance_and_backoff():
 
 class WrongDraft(FakeRunner):
     """A draft model that is the fake model but for the tokens it draws at positions that are
-    a multiple of 3: last + 2 there."""
+    a multiple of `every` (3, or 1: always wrong): last + 2 there."""
 
-    def __init__(self):
+    def __init__(self, every: int = 3):
         super().__init__(modulus=10)
         self.rows = 0  # head rows drawn
+        self.every = every
 
     def run(self, batch):
         result = super().run(batch)
         n = batch.num_rows
         self.rows += n
         at = batch.positions[batch.logits_indices[:n]] + 1
-        ids = np.where(at % 3 == 0, (result.token_ids + 1) % 10, result.token_ids)
+        ids = np.where(at % self.every == 0, (result.token_ids + 1) % 10, result.token_ids)
         return dataclasses.replace(result, token_ids=ids.astype(np.int32))
 
 
 class CheckedDraftModel(DraftModel):
     """A DraftModel whose every step's page tables are checked against its sequences' own
-    (the draft's K/V goes where the target's pages are, also after preemption)."""
+    (the draft's K/V goes where the target's pages are, also after preemption), and whose
+    drawings start where the draft's K/V stops being of the sequence's tokens: every token a
+    drawing's first round counts as computed is the token the draft was fed there (never a
+    draft the target rejected since)."""
 
     def __init__(self, *args):
         super().__init__(*args)
         build, self.tables_checked = self.input_batch.build, 0
+        self.fed: dict[int, dict[int, int]] = {}  # seq_id -> position -> token fed there
+        self._chunks = []
+        self.firsts_checked = 0
+        self.drawn = 0  # drafting entries whose drafts it drew (not prompt lookup's)
 
         def checked(out, seeds):
             batch = build(out, seeds)
@@ -146,6 +160,23 @@ class CheckedDraftModel(DraftModel):
                 self.tables_checked += 1
             return batch
         self.input_batch.build = checked
+
+    def _submit(self, chunks, entries, j, seeds, grammar):
+        if j == 0:
+            for c in chunks:
+                fed = self.fed.get(c.seq.seq_id, {})
+                assert all(fed.get(p) == c.seq.token_ids[p] for p in range(c.start)), c.seq
+                self.firsts_checked += c.start > 0
+        self._chunks.extend(chunks)
+        return super()._submit(chunks, entries, j, seeds, grammar)
+
+    def draw(self, out, *args, **kwargs):
+        self.drawn += sum(1 for e in out.scheduled if e.drafts and not e.looked_up)
+        super().draw(out, *args, **kwargs)
+        for c in self._chunks:  # the tokens fed, the drafts among them drawn by now
+            self.fed.setdefault(c.seq.seq_id, {}).update(
+                (p, c.seq.token_ids[p]) for p in range(c.start, c.end))
+        self._chunks.clear()
 
 
 def _run(speculative, overlap=True, num_blocks=41, abort_at=None, draft=None, **params):
@@ -159,6 +190,8 @@ def _run(speculative, overlap=True, num_blocks=41, abort_at=None, draft=None, **
     tokenizer = types.SimpleNamespace(eos_token_ids=frozenset({EOS}), vocab_size=10**6)
     drafter = None if draft is None else CheckedDraftModel(
         dataclasses.replace(cfg, speculative=None), draft, tokenizer.eos_token_ids)
+    if draft is not None:
+        draft.checked = drafter  # (for the test to read what the draft model drew)
     eng = LLMEngine(cfg, runner=FakeRunner(modulus=10), tokenizer=tokenizer, detokenize=False,
                     draft=drafter)
     eng.scheduler.drafting.step_costs = EqualCosts()
@@ -621,6 +654,32 @@ def test_a_draft_model_gives_the_same_tokens_in_fewer_steps(overlap):
     got, stats, _, _ = _run(DRAFTING, overlap, draft=wrong)
     assert got == want and wrong.rows > 0
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_a_draft_model_that_loses_its_drafts_draws_again_from_the_kept_tokens():
+    """Drafts that always lose: each sequence waits longer and longer between drawings, with
+    plain steps between; each drawing starts where the draft's K/V stops being of the
+    sequence's tokens (CheckedDraftModel), never past the rejected drafts it wrote."""
+    want, _, _, _ = _run(None)
+    wrong = WrongDraft(every=1)
+    got, stats, _, _ = _run(DRAFTING, draft=wrong)
+    assert got == want and stats.num_drafts > 6 and stats.num_accepted_tokens == 0
+
+
+def test_prompt_lookup_beside_a_draft_model_leaves_it_where_the_lookup_finds_nothing():
+    """A draft model given prompt_lookup_max/_min: each drafting step takes prompt lookup's
+    drafts where it finds some, the model's where it finds none or lost its last (no waiting
+    between): the target's tokens, some drafts of each kind, and fewer of the draft model's
+    rows than with the model alone; its drawings start from its own K/V, past the tokens
+    prompt lookup drafted (CheckedDraftModel)."""
+    want, _, _, _ = _run(None)
+    alone, both = WrongDraft(), WrongDraft()
+    _run(DRAFTING, draft=alone)
+    lookup = DRAFTING | {"prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    got, stats, _, _ = _run(lookup, draft=both)
+    assert got == want and 0 < both.rows < alone.rows
+    drawn = both.checked.drawn
+    assert 0 < drawn < stats.num_drafts and both.checked.firsts_checked > 0
 
 
 def _drafting_engine(draft_class, draft_runner, **limits) -> LLMEngine:
