@@ -48,6 +48,7 @@ from engine.grammar import Grammars, fill_mask_after
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import PENDING, TO_DRAW, Sequence, SequenceStatus
+from engine.step_table import SPEC_TIMED_TOKENS
 from models.known_models import KNOWN_MODELS, fetch_model
 from models.tokenizer import Tokenizer
 from ops import native
@@ -126,11 +127,23 @@ class DraftModel:
         logger.info("Loading the draft model %s", path)
         return cls(config, ModelRunner(config), tokenizer.eos_token_ids)
 
-    def warmup(self) -> float:
+    def warmup(self, catch_up: bool = False) -> tuple[float, dict[int, float]]:
         """Compile (or load) the draft's executables; returns the seconds of one drafting
-        round of one sequence (a one-token step), the cost model's starting point."""
+        round of one sequence (a one-token step), the cost model's starting point, and with
+        `catch_up` (beside prompt lookup) those of a first round of each token bucket up to
+        SPEC_TIMED_TOKENS for one sequence (StepCosts.draft_steps)."""
         self.runner.warmup()
-        return self.runner.time_step(1)
+        steps = {t: self.runner.time_step(t, 1) for t in self.config.token_buckets
+                 if t <= SPEC_TIMED_TOKENS} if catch_up else {}
+        return self.runner.time_step(1), steps
+
+    def behind(self, seq: Sequence) -> int | None:
+        """Tokens the next first round for `seq` would bring (None before it first drew for
+        it): from its K/V's end, cut back to the target's computed tokens, through the last."""
+        done = self._computed.get(seq.seq_id)
+        if done is None:
+            return None
+        return seq.num_computed_tokens + 1 - min(done, seq.num_computed_tokens)
 
     def draw(self, out: SchedulerOutput, seeds: dict[int, int],
              grammar: tuple[Grammars, dict] | None = None,

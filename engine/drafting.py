@@ -10,6 +10,7 @@ times steps into).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
@@ -40,6 +41,9 @@ class Drafting:
         # with no token in flight, which `draft` takes in the same step instead of looking
         # up again (cleared each step: a sequence cut back may regrow to the same length)
         self._proposed: dict[int, tuple[int, list[int]]] = {}
+        # A draft model beside prompt lookup (set by the engine): how many tokens its next
+        # first round would bring for a sequence (None before it first drew for it).
+        self.draft_behind: Callable[[Sequence], int | None] | None = None
 
     def may_draft(self, seq: Sequence) -> bool:
         """Whether a decoding sequence drafts now: not under penalties (their counts are per
@@ -53,14 +57,31 @@ class Drafting:
                 and (drafter is None or drafter.ready(seq.num_output_tokens)))
 
     def pays(self, seq: Sequence, tokens: int, gain: float, room: int,
-             looked_up: bool = False) -> int:
+             looked_up: bool = False, catch_up: bool = True) -> int:
         """Drafts (0 .. room) that pay for `seq` in a step of `tokens` tokens and `gain`;
-        `looked_up`: prompt lookup's, beside a draft model."""
+        `looked_up`: prompt lookup's, beside a draft model, whose own drafts pay for its
+        catching up too (`_catch_up`, unless not `catch_up`)."""
         drafter = self.drafters.get(seq.seq_id)
         probing = drafter is not None and drafter.probing and not looked_up
+        extra = self._catch_up(seq) if catch_up and not looked_up else 0.0
         return drafts_that_pay(probing, self.acceptance(seq, looked_up), room, tokens, gain,
-                               lambda n: self.config.bucket_for(n, 1)[0], self.step_costs,
-                               looked_up)
+                               self._bucket_of, self.step_costs, looked_up, extra)
+
+    def _bucket_of(self, num_tokens: int) -> int:
+        return self.config.bucket_for(num_tokens, 1)[0]
+
+    def _catch_up(self, seq: Sequence) -> float:
+        """Beside prompt lookup, what a draft model's drafts for `seq` cost first: its round
+        over the tokens lookup's steps brought since it last drew (StepCosts.catch_up), spread
+        over the tokens since lookup last drafted (a sequence past the text it repeats will
+        draw for a while; one between two of its matches will not). Its first drawing's pass
+        over the prompt is paid once a request, as without lookup: not counted."""
+        behind = None if self.draft_behind is None else self.draft_behind(seq)
+        if behind is None:
+            return 0.0
+        drafter = self.drafter(seq)
+        since = max(1, seq.num_output_tokens - drafter.looked_up_at)
+        return self.step_costs.catch_up(behind, self._bucket_of) / since
 
     def may_speculate(self, running: list[Sequence]) -> bool:
         """Whether the next step of `running` may draft (the engine then reads the step in
@@ -116,10 +137,12 @@ class Drafting:
         drafter = self.drafter(seq)
         # (the lookup's match does not depend on k)
         drafts = self._propose(seq)[:room] if spec.looks_up else []
-        looked_up = bool(drafts) and spec.method == "draft_model"
+        model = spec.method == "draft_model"
+        looked_up = bool(drafts) and model
         if looked_up:  # prompt lookup first; a draft model's where it finds nothing or loses
+            drafter.looked_up_at = seq.num_output_tokens
             drafts = drafts[:self.pays(seq, tokens, gain, len(drafts), looked_up=True)]
-        if not drafts and spec.method == "draft_model":
+        if not drafts and model:
             looked_up = False  # drawn once the step is booked (engine/draft_model.py)
             drafts = [TO_DRAW] * room
         if not drafts:
@@ -127,8 +150,12 @@ class Drafting:
             return
         if not looked_up:
             drafts = drafts[:self.pays(seq, tokens, gain, len(drafts))]
-            if not drafts:
+            # (beside lookup, drafts that would pay but for the model's catching up: a plain
+            # step, lookup tried again at the next)
+            if not drafts and not (model and spec.looks_up
+                                   and self.pays(seq, tokens, gain, room, catch_up=False)):
                 drafter.step_aside(seq.num_output_tokens)
+            if not drafts:
                 return
         seq.token_ids.extend(drafts)
         if not self.blocks.can_append(seq):

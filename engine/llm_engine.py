@@ -106,7 +106,11 @@ class LLMEngine:
         model's (whose drafting round starts the cost model)."""
         self.runner.warmup()
         if self.draft is not None:
-            self.scheduler.drafting.step_costs.record_round(self.draft.warmup())
+            drafting = self.scheduler.drafting
+            lookup = self.config.speculative.looks_up
+            round_s, drafting.step_costs.draft_steps = self.draft.warmup(catch_up=lookup)
+            drafting.step_costs.record_round(round_s)
+            drafting.draft_behind = self.draft.behind if lookup else None
 
     def release(self) -> None:
         """Free the device memory of the runners now (ModelRunner.release)."""

@@ -14,7 +14,10 @@ engine/scheduler.py).
 A draft model given prompt_lookup_max or _min drafts only where prompt lookup finds nothing:
 a step takes the lookup's drafts where there are some (they cost no drafting rounds), the
 model's otherwise, and a lookup that lost costs no waiting (each kind keeps its own
-acceptance in the sequence's `Drafter`). Both are verified the same way.
+acceptance in the sequence's `Drafter`). Both are verified the same way. The model's K/V
+falls behind while lookup drafts, and its next drawing first writes the tokens since: its
+drafts pay for that too (`StepCosts.catch_up`, spread over the tokens since lookup last
+drafted), so a sequence between two matches of the text it repeats takes a plain step.
 
 For a draft without probabilities (one token, as prompt lookup proposes) this is rejection
 sampling: the draft d is kept with probability p(d), the target's probability after every
@@ -209,6 +212,7 @@ class Drafter:
     # the model are `acceptance`). A lookup that finds nothing or loses costs no waiting: the
     # model drafts next.
     lookup_acceptance: float = 0.7
+    looked_up_at: int = 0  # beside a draft model: the output index prompt lookup last drafted at
 
     def ready(self, num_output_tokens: int) -> bool:
         return num_output_tokens >= self.next_at
@@ -252,6 +256,10 @@ class StepCosts:
     def __init__(self, seconds: dict[int, float] | None = None):
         self.seconds = seconds if seconds is not None else {}  # (the runner's, filled at warmup)
         self.draft_round: float | None = None
+        # A draft model beside prompt lookup: what its step over T tokens of one sequence (one
+        # head row) takes, timed at warmup on padding: a first round that writes the K/V of the
+        # tokens that prompt lookup's steps brought since the model last drew.
+        self.draft_steps: dict[int, float] = {}
 
     def _average(self, old: float | None, seconds: float) -> float:
         return seconds if old is None else old + self.RATE * (seconds - old)
@@ -265,6 +273,17 @@ class StepCosts:
     def of(self, bucket: int) -> float | None:
         return self.seconds.get(bucket)
 
+    def catch_up(self, behind: int, bucket_of) -> float:
+        """What a draft model's first round costs beyond a usual one (a token or two) when it
+        brings `behind` tokens (past the timed buckets: in proportion to the largest)."""
+        if not self.draft_steps or behind <= 2:
+            return 0.0
+        usual = self.draft_steps.get(bucket_of(2), 0.0)
+        largest = max(self.draft_steps)
+        if behind > largest:
+            return self.draft_steps[largest] * behind / largest - usual
+        return max(0.0, self.draft_steps.get(bucket_of(behind), usual) - usual)
+
 
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens a sequence gains from a step with k drafts: the sampled one, and draft j kept
@@ -273,12 +292,14 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 def choose_drafts(acceptance: float, room: int, tokens: int, gain: float,
-                  bucket_of, costs: StepCosts, looked_up: bool = False) -> int:
+                  bucket_of, costs: StepCosts, looked_up: bool = False,
+                  extra: float = 0.0) -> int:
     """How many drafts (0 .. room) a decode should bring to a step that holds `tokens` tokens
     and an expected `gain` tokens before it: the most expected tokens per second for the
     whole step. A bucket not timed yet counts as costing what the step costs without drafts
-    (so it is tried, and timed). A draft model's drafts cost its rounds too; `looked_up`
-    drafts (prompt lookup's) cost nothing to find."""
+    (so it is tried, and timed). A draft model's drafts cost its rounds too, and `extra`
+    seconds for any drafts at all (its K/V to catch up); `looked_up` drafts (prompt lookup's)
+    cost nothing to find."""
     base = costs.of(bucket_of(tokens + 1))
     best, best_rate = 0, None
     for k in range(room + 1):
@@ -286,7 +307,7 @@ def choose_drafts(acceptance: float, room: int, tokens: int, gain: float,
         if cost is None:  # nothing timed at all: draft in full
             return room
         if not looked_up:
-            cost += k * (costs.draft_round or 0.0)
+            cost += k * (costs.draft_round or 0.0) + (extra if k else 0.0)
         rate = (gain + expected_tokens(acceptance, k)) / cost
         if best_rate is None or rate > best_rate * 1.0001:
             best, best_rate = k, rate
@@ -340,12 +361,13 @@ class SpecDecodeStats:
 
 
 def drafts_that_pay(probing: bool, acceptance: float, room: int, tokens: int, gain: float,
-                    bucket_of, costs: StepCosts, looked_up: bool = False) -> int:
+                    bucket_of, costs: StepCosts, looked_up: bool = False,
+                    extra: float = 0.0) -> int:
     """`choose_drafts` for a sequence of that acceptance; in full while it probes after
     having stepped aside (Drafter.probing)."""
     if probing:
         return room
-    return choose_drafts(acceptance, room, tokens, gain, bucket_of, costs, looked_up)
+    return choose_drafts(acceptance, room, tokens, gain, bucket_of, costs, looked_up, extra)
 
 
 def fit_drafts(scheduled, num_drafts: int, token_buckets, blocks) -> None:

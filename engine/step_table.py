@@ -257,11 +257,12 @@ class StepTable:
                 break
             self.step_seconds[t] = self.time_step(t)
 
-    def time_step(self, num_tokens: int) -> float:
-        """Seconds a step of `num_tokens` tokens (as many head rows) takes on padding: the
-        best of two runs."""
+    def time_step(self, num_tokens: int, num_seqs: int | None = None) -> float:
+        """Seconds a step of `num_tokens` tokens (as many head rows, or `num_seqs`) takes on
+        padding: the best of two runs."""
         t = num_tokens
-        batch = empty_batch(self.config, self.config.bucket_for(t, self.config.body_seqs(t)))
+        seqs = self.config.body_seqs(t) if num_seqs is None else num_seqs
+        batch = empty_batch(self.config, self.config.bucket_for(t, seqs))
         runs = []
         for _ in range(2):
             start = time.perf_counter()

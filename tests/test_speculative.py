@@ -134,6 +134,7 @@ class WrongDraft(FakeRunner):
         self.rows += n
         at = batch.positions[batch.logits_indices[:n]] + 1
         ids = np.where(at % self.every == 0, (result.token_ids + 1) % 10, result.token_ids)
+        self.last[batch.sampling["slots"][:n]] = ids  # what a later step's pending row reads
         return dataclasses.replace(result, token_ids=ids.astype(np.int32))
 
 
@@ -179,11 +180,14 @@ class CheckedDraftModel(DraftModel):
         self._chunks.clear()
 
 
-def _run(speculative, overlap=True, num_blocks=41, abort_at=None, draft=None, **params):
+def _run(speculative, overlap=True, num_blocks=41, abort_at=None, draft=None, catch_up=None,
+         target=None, **params):
     """Six requests through an engine on a fake model with next = (last + 1) % 10, whose
     prompts repeat that cycle in part (drafts from the prompt are kept for a while, then
     rejected); returns each request's (tokens, finish reason), the engine's speculation
-    counters and preemptions. `draft`: a draft model's fake runner."""
+    counters and preemptions. `draft`: a draft model's fake runner; `catch_up`: its steps'
+    seconds per token bucket, for a draft model beside prompt lookup (StepCosts.draft_steps);
+    `target`: another runner for the model."""
     cfg = EngineConfig(model="fake", max_model_len=64, max_num_seqs=12,
                        max_num_batched_tokens=32, block_size=4, num_blocks=num_blocks,
                        async_scheduling=overlap, speculative=speculative)
@@ -192,9 +196,12 @@ def _run(speculative, overlap=True, num_blocks=41, abort_at=None, draft=None, **
         dataclasses.replace(cfg, speculative=None), draft, tokenizer.eos_token_ids)
     if draft is not None:
         draft.checked = drafter  # (for the test to read what the draft model drew)
-    eng = LLMEngine(cfg, runner=FakeRunner(modulus=10), tokenizer=tokenizer, detokenize=False,
-                    draft=drafter)
+    eng = LLMEngine(cfg, runner=target or FakeRunner(modulus=10), tokenizer=tokenizer,
+                    detokenize=False, draft=drafter)
     eng.scheduler.drafting.step_costs = EqualCosts()
+    if catch_up is not None:
+        eng.scheduler.drafting.step_costs.draft_steps = catch_up
+        eng.scheduler.drafting.draft_behind = drafter.behind
     prompts = [[3, 4, 5, 9, 9, 0, 1, 3, 4], [5, 6, 7, 8, 9, 0, 1, 5, 6, 7],
                [1, 3, 4, 5, 6, 7, 1, 3], [0, 1, 2, 3, 4, 5], [8, 9, 8, 9], [6, 7, 8, 6, 7, 8, 6]]
     base = dict(temperature=0, ignore_eos=True) | params
@@ -682,6 +689,38 @@ def test_prompt_lookup_beside_a_draft_model_leaves_it_where_the_lookup_finds_not
     assert 0 < drawn < stats.num_drafts and both.checked.firsts_checked > 0
 
 
+def test_a_draft_models_catching_up_counts_against_its_drafts():
+    """Beside prompt lookup, a draft model's drafts pay for its first round over the tokens
+    lookup's steps brought (StepCosts.catch_up: beyond a round of a token or two, in
+    proportion past the timed buckets): drafts that pay alone do not with a long catch-up."""
+    costs = StepCosts({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0})
+    costs.draft_round = 0.3
+    bucket = lambda n: next(b for b in (1, 2, 4, 8, 16, 32) if b >= n)  # noqa: E731
+    assert costs.catch_up(40, bucket) == 0.0  # no draft steps timed: nothing known
+    costs.draft_steps = {1: 0.3, 2: 0.35, 4: 0.5, 8: 0.9}
+    assert costs.catch_up(2, bucket) == 0.0 and costs.catch_up(3, bucket) == pytest.approx(0.15)
+    assert costs.catch_up(16, bucket) == pytest.approx(0.9 * 2 - 0.35)
+    assert choose_drafts(0.9, 3, 0, 0.0, bucket, costs) == 3
+    assert choose_drafts(0.9, 3, 0, 0.0, bucket, costs, extra=costs.catch_up(16, bucket)) == 0
+    assert choose_drafts(0.9, 3, 0, 0.0, bucket, costs, looked_up=True,
+                         extra=costs.catch_up(16, bucket)) == 3  # lookup's: free to find
+
+
+def test_beside_prompt_lookup_a_draft_model_far_behind_leaves_the_step_plain():
+    """With catching up dear (the draft's steps of many tokens timed slow), a sequence whose
+    lookup drafted lately takes plain steps where lookup finds nothing rather than the
+    model's drafts: fewer of its rows, the same tokens, and its drawings still start from its
+    own K/V (CheckedDraftModel)."""
+    lookup = DRAFTING | {"prompt_lookup_max": 4, "prompt_lookup_min": 3}
+    want, _, _, _ = _run(None, target=WrongDraft(every=7))  # a cycle broken every 7th token
+    free, dear = WrongDraft(), WrongDraft()
+    _, stats, _, _ = _run(lookup, draft=free, target=WrongDraft(every=7),
+                          catch_up=dict.fromkeys([1, 2, 4, 8, 16, 32], 0.0))
+    got, _, _, _ = _run(lookup, draft=dear, target=WrongDraft(every=7),
+                        catch_up={1: 0.0, 2: 0.0, 4: 9.0, 8: 9.0, 16: 9.0, 32: 9.0})
+    assert got == want and dear.checked.drawn < free.checked.drawn < stats.num_drafts
+
+
 def _drafting_engine(draft_class, draft_runner, **limits) -> LLMEngine:
     """An engine on the fake model whose draft model (`draft_class`) runs on `draft_runner`,
     drafting whenever it may (EqualCosts)."""
@@ -777,17 +816,20 @@ def test_a_draft_model_skips_the_pages_a_prefix_cache_hit_brings_its_kv_for():
     assert eng.scheduler.drafting.stats.num_accepted_tokens > 0
 
 
-def test_a_draft_model_under_preemption_aborts_and_stops():
+@pytest.mark.parametrize("lookup", [False, True])
+def test_a_draft_model_under_preemption_aborts_and_stops(lookup):
     """Preemption (the draft's K/V of a preempted sequence is written again from its start),
-    an abort, and stops inside the drafts: the outputs without speculation."""
+    an abort, and stops inside the drafts: the outputs without speculation; also with prompt
+    lookup first."""
+    spec = DRAFTING | ({"prompt_lookup_max": 4, "prompt_lookup_min": 1} if lookup else {})
     want, _, _, _ = _run(None, num_blocks=17, abort_at=5)
-    got, stats, preemptions, _ = _run(DRAFTING, num_blocks=17, abort_at=5, draft=WrongDraft())
+    got, stats, preemptions, _ = _run(spec, num_blocks=17, abort_at=5, draft=WrongDraft())
     assert preemptions > 0 and stats.num_accepted_tokens > 0
     got.pop("req-2"), want.pop("req-2")  # aborted (drafting reaches further by that step)
     assert got == want
     for params in [dict(ignore_eos=False), dict(stop_token_ids=[7]), dict(min_tokens=4)]:
         want, _, _, _ = _run(None, **params)
-        got, stats, _, _ = _run(DRAFTING, draft=WrongDraft(), **params)
+        got, stats, _, _ = _run(spec, draft=WrongDraft(), **params)
         assert got == want and stats.num_accepted_tokens > 0, params
 
 
