@@ -52,6 +52,7 @@ from engine.step_table import SPEC_TIMED_TOKENS
 from models.known_models import KNOWN_MODELS, fetch_model
 from models.tokenizer import Tokenizer
 from ops import native
+from ops.cpu_linear import X_BITS, many_rows_pay
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +86,14 @@ def draft_config(target: EngineConfig, path: str) -> EngineConfig:
     drafting of its own; on a CPU that multiplies bfloat16 (ops.native.
     multiplies_bfloat16), its products of many rows (its pass over a prompt) in bfloat16: a
     draft's numbers never reach the output, which is the target's draws whatever it drafts,
-    and that pass is most of what a draft model costs a fresh prompt."""
+    and that pass is most of what a draft model costs a fresh prompt. Not where the CPU
+    kernel takes every row count (ops.cpu_linear.many_rows_pay: 8-bit x with VNNI): there
+    the 0.5B's steps of 16 and 64 tokens took 81-93 and 254-311 ms against bfloat16's
+    225-314 and 340-423, and 512 tokens 1.6-2.0 s against 1.4-1.6 (a 2-vCPU Zen 4 EPYC), and
+    a draft model's steps of 9-64 tokens are frequent: after steps without it (prompt lookup's,
+    or plain ones while a sequence waits) its first round writes the tokens since."""
     config = dataclasses.replace(target, model=path, name=None, speculative=None)
-    if native.multiplies_bfloat16():
+    if native.multiplies_bfloat16() and not many_rows_pay(X_BITS[config.cpu_activation_dtype]):
         config = dataclasses.replace(config, cpu_matmul_dtype="bfloat16")
     return config
 

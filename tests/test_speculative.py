@@ -849,7 +849,7 @@ def test_a_draft_model_must_share_the_targets_vocabulary():
                               target)
 
 
-def test_a_draft_model_runs_its_prompts_in_bfloat16_where_the_cpu_multiplies_it(monkeypatch):
+def test_a_draft_model_runs_its_prompts_in_bfloat16_where_it_pays(monkeypatch):
     from engine import draft_model
     from ops import native
 
@@ -857,13 +857,17 @@ def test_a_draft_model_runs_its_prompts_in_bfloat16_where_the_cpu_multiplies_it(
     assert native.multiplies_bfloat16({"avx512f", "avx512_vnni", "avx512_bf16"})   # Zen 4
     assert not native.multiplies_bfloat16({"avx2", "fma", "f16c"})                 # Zen 1-3
     assert not native.multiplies_bfloat16(frozenset())                             # no flags
-    target = EngineConfig(model="t", max_model_len=64, speculative=DRAFTING,
-                          cpu_activation_dtype="int8")
-    for has, want in [(True, "bfloat16"), (False, "float32")]:
-        monkeypatch.setattr(native, "multiplies_bfloat16", lambda has=has: has)
-        cfg = draft_model.draft_config(target, "d")
-        assert (cfg.model, cfg.speculative, cfg.cpu_matmul_dtype) == ("d", None, want)
-        assert (cfg.max_model_len, cfg.cpu_activation_dtype) == (64, "int8")
+    for x in ["float32", "int8"]:
+        target = EngineConfig(model="t", max_model_len=64, speculative=DRAFTING,
+                              cpu_activation_dtype=x)
+        # where the kernel takes every row count (8-bit x, VNNI), it keeps them
+        for has, vnni, want in [(True, False, "bfloat16"), (False, False, "float32"),
+                                (True, True, "float32" if x == "int8" else "bfloat16")]:
+            monkeypatch.setattr(native, "multiplies_bfloat16", lambda has=has: has)
+            monkeypatch.setattr(native, "multiplies_bytes", lambda vnni=vnni: vnni)
+            cfg = draft_model.draft_config(target, "d")
+            assert (cfg.model, cfg.speculative, cfg.cpu_matmul_dtype) == ("d", None, want)
+            assert (cfg.max_model_len, cfg.cpu_activation_dtype) == (64, x)
 
 
 def test_a_preempted_sequence_drafts_into_its_new_pages():
