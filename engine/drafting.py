@@ -79,8 +79,8 @@ class Drafting:
         behind = None if self.draft_behind is None else self.draft_behind(seq)
         if behind is None:
             return 0.0
-        drafter = self.drafter(seq)
-        since = max(1, seq.num_output_tokens - drafter.looked_up_at)
+        drafter = self.drafters.get(seq.seq_id)
+        since = max(1, seq.num_output_tokens - (drafter.looked_up_at if drafter else 0))
         return self.step_costs.catch_up(behind, self._bucket_of) / since
 
     def may_speculate(self, running: list[Sequence]) -> bool:
