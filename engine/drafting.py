@@ -1,6 +1,6 @@
-"""The scheduler's drafting half (speculative decoding; the method, the cost model and the
-acceptance rule are engine/speculative.py's): which decodes of a step draft and how many
-tokens, and what each drafting entry keeps once its step is read.
+"""The scheduler's drafting half (speculative decoding; the method and the acceptance rule
+are engine/speculative.py's, the cost model engine/draft_costs.py's): which decodes of a step
+draft and how many tokens, and what each drafting entry keeps once its step is read.
 
 One `Drafting` per scheduler. It holds each sequence's `Drafter` (its acceptance, and its
 pause after drafts that gained nothing), the engine's counters (`stats`, read by /metrics
@@ -15,16 +15,9 @@ from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.draft_costs import StepCosts, choose_drafts
 from engine.sequence import TO_DRAW, Sequence
-from engine.speculative import (
-    Drafter,
-    SpecDecodeStats,
-    StepCosts,
-    accepted_length,
-    drafts_that_pay,
-    may_match,
-    propose,
-)
+from engine.speculative import Drafter, SpecDecodeStats, accepted_length, may_match, propose
 
 if TYPE_CHECKING:
     from engine.scheduler import ScheduledSeq
@@ -58,14 +51,20 @@ class Drafting:
 
     def pays(self, seq: Sequence, tokens: int, gain: float, room: int,
              looked_up: bool = False, catch_up: bool = True) -> int:
-        """Drafts (0 .. room) that pay for `seq` in a step of `tokens` tokens and `gain`;
-        `looked_up`: prompt lookup's, beside a draft model, whose own drafts pay for its
-        catching up too (`_catch_up`, unless not `catch_up`)."""
-        drafter = self.drafters.get(seq.seq_id)
-        probing = drafter is not None and drafter.probing and not looked_up
-        extra = self._catch_up(seq) if catch_up and not looked_up else 0.0
-        return drafts_that_pay(probing, self.acceptance(seq, looked_up), room, tokens, gain,
-                               self._bucket_of, self.step_costs, looked_up, extra)
+        """Drafts (0 .. room) that pay for `seq` in a step of `tokens` tokens and `gain`
+        (`choose_drafts`), in full while it probes after having stepped aside. A draft model's
+        drafts cost its rounds and, beside prompt lookup, its catching up (`_catch_up`, unless
+        not `catch_up`); `looked_up`: prompt lookup's beside a draft model, which cost
+        nothing to find."""
+        costs, per_draft, fixed = self.step_costs, 0.0, 0.0
+        if not looked_up:
+            drafter = self.drafters.get(seq.seq_id)
+            if drafter is not None and drafter.probing:
+                return room
+            per_draft = costs.draft_round or 0.0
+            fixed = self._catch_up(seq) if catch_up else 0.0
+        return choose_drafts(self.acceptance(seq, looked_up), room, tokens, gain,
+                             self._bucket_of, costs, per_draft, fixed)
 
     def _bucket_of(self, num_tokens: int) -> int:
         return self.config.bucket_for(num_tokens, 1)[0]

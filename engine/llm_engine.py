@@ -25,6 +25,7 @@ from collections.abc import Sequence as Seq
 from engine.batch import InputBatch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.draft_costs import StepCosts
 from engine.draft_model import DraftModel
 from engine.grammar import Grammars, advance, allowed_drafts
 from engine.model_runner import ModelRunner
@@ -32,7 +33,7 @@ from engine.outputs import CompletionOutput, RequestOutput, TextState, TokenLogp
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
-from engine.speculative import StepCosts, drop_drafts
+from engine.speculative import drop_drafts
 from models.tokenizer import Tokenizer
 
 _GOLDEN = 0x9E3779B97F4A7C15

@@ -22,9 +22,10 @@ from collections import deque
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.draft_costs import expected_tokens
 from engine.drafting import Drafting
 from engine.sequence import Sequence, SequenceStatus
-from engine.speculative import expected_tokens, fit_drafts
+from engine.speculative import fit_drafts
 
 
 class RequestRejected(ValueError):

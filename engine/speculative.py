@@ -25,18 +25,11 @@ filter, and a rejected position gets the target's token drawn from p without d, 
 So the output distribution is the target's, greedy gives the target's greedy tokens, and a
 seeded request gives the same tokens with or without speculation, alone or in any batch.
 
-Drafting pays only where a step of more tokens costs little more than a step of one: on a
-GPU at a few sequences, hardly at all on a small CPU, where each token's rows are compute.
-So the scheduler drafts k tokens only when the step's expected tokens per second grow by it
-(`choose_drafts`): the expected tokens come from the sequence's acceptance so far (`Drafter`,
-each draft position kept with probability a: 1 + a + ... + a^k tokens), the seconds from
-what steps of each token bucket took (`StepCosts`: timed at warmup on padding, then each step
-that ran, from the previous step's result to its own, so the host's share, the overlap a
-drafting step gives up (the proposer needs the last token) and the sequences' context are
-all in it). A sequence whose drafts found nothing or lost every token waits a while before
-it drafts again, and the scheduler drafts only while the batch is small (`max_seqs`). A
-drafting step gives up the overlap with the step before it, so prompt lookup is tried only
-where a match can follow the token in flight (`may_match`, checked while it is sampled).
+How many drafts pay is engine/draft_costs.py's cost model. A sequence whose drafts found
+nothing or lost every token waits a while before it drafts again, and the scheduler drafts
+only while the batch is small (`max_seqs`). A drafting step gives up the overlap with the
+step before it, so prompt lookup is tried only where a match can follow the token in flight
+(`may_match`, checked while it is sampled).
 """
 
 from __future__ import annotations
@@ -242,78 +235,6 @@ class Drafter:
         self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
 
 
-class StepCosts:
-    """Seconds a step of each token bucket takes: timed once at warmup (the runner's
-    `step_seconds`, on padding), then a moving average of the steps that ran, each from the
-    previous step's result to its own while the engine is busy (LLMEngine._read): a step that
-    overlapped the host's work costs its device time, one that waited for the token before it
-    (drafting) costs the host's share too. With a draft model, also what one of its drafting
-    rounds takes (`draft_round`: a token for each drafting sequence), k rounds for k drafts,
-    counted apart from the step."""
-
-    RATE = 0.1
-
-    def __init__(self, seconds: dict[int, float] | None = None):
-        self.seconds = seconds if seconds is not None else {}  # (the runner's, filled at warmup)
-        self.draft_round: float | None = None
-        # A draft model beside prompt lookup: what its step over T tokens of one sequence (one
-        # head row) takes, timed at warmup on padding: a first round that writes the K/V of the
-        # tokens that prompt lookup's steps brought since the model last drew.
-        self.draft_steps: dict[int, float] = {}
-
-    def _average(self, old: float | None, seconds: float) -> float:
-        return seconds if old is None else old + self.RATE * (seconds - old)
-
-    def record_round(self, seconds: float) -> None:
-        self.draft_round = self._average(self.draft_round, seconds)
-
-    def record(self, bucket: int, seconds: float) -> None:
-        self.seconds[bucket] = self._average(self.seconds.get(bucket), seconds)
-
-    def of(self, bucket: int) -> float | None:
-        return self.seconds.get(bucket)
-
-    def catch_up(self, behind: int, bucket_of) -> float:
-        """What a draft model's first round costs beyond a usual one (a token or two) when it
-        brings `behind` tokens (past the timed buckets: in proportion to the largest)."""
-        if not self.draft_steps or behind <= 2:
-            return 0.0
-        usual = self.draft_steps.get(bucket_of(2), 0.0)
-        largest = max(self.draft_steps)
-        if behind > largest:
-            return self.draft_steps[largest] * behind / largest - usual
-        return max(0.0, self.draft_steps.get(bucket_of(behind), usual) - usual)
-
-
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens a sequence gains from a step with k drafts: the sampled one, and draft j kept
-    with probability acceptance^j (each kept only if the ones before it were)."""
-    return 1 + sum(acceptance ** j for j in range(1, k + 1))
-
-
-def choose_drafts(acceptance: float, room: int, tokens: int, gain: float,
-                  bucket_of, costs: StepCosts, looked_up: bool = False,
-                  extra: float = 0.0) -> int:
-    """How many drafts (0 .. room) a decode should bring to a step that holds `tokens` tokens
-    and an expected `gain` tokens before it: the most expected tokens per second for the
-    whole step. A bucket not timed yet counts as costing what the step costs without drafts
-    (so it is tried, and timed). A draft model's drafts cost its rounds too, and `extra`
-    seconds for any drafts at all (its K/V to catch up); `looked_up` drafts (prompt lookup's)
-    cost nothing to find."""
-    base = costs.of(bucket_of(tokens + 1))
-    best, best_rate = 0, None
-    for k in range(room + 1):
-        cost = costs.of(bucket_of(tokens + 1 + k)) or base
-        if cost is None:  # nothing timed at all: draft in full
-            return room
-        if not looked_up:
-            cost += k * (costs.draft_round or 0.0) + (extra if k else 0.0)
-        rate = (gain + expected_tokens(acceptance, k)) / cost
-        if best_rate is None or rate > best_rate * 1.0001:
-            best, best_rate = k, rate
-    return best
-
-
 def accepted_length(drafts: list[int], sampled: list[int]) -> int:
     """How many drafts the step keeps: drafts[j] stands while it equals sampled[j], the token
     the target drew at its position."""
@@ -358,16 +279,6 @@ class SpecDecodeStats:
     def mean_accepted_length(self) -> float:
         """Tokens a drafting sequence gained per step: accepted drafts + the sampled one."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-
-def drafts_that_pay(probing: bool, acceptance: float, room: int, tokens: int, gain: float,
-                    bucket_of, costs: StepCosts, looked_up: bool = False,
-                    extra: float = 0.0) -> int:
-    """`choose_drafts` for a sequence of that acceptance; in full while it probes after
-    having stepped aside (Drafter.probing)."""
-    if probing:
-        return room
-    return choose_drafts(acceptance, room, tokens, gain, bucket_of, costs, looked_up, extra)
 
 
 def fit_drafts(scheduled, num_drafts: int, token_buckets, blocks) -> None:

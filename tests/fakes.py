@@ -14,10 +14,10 @@ import uvicorn
 
 from engine.async_engine import AsyncEngine, Engines
 from engine.config import EngineConfig
+from engine.draft_costs import StepCosts
 from engine.embedding_engine import embed_buckets
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepResult
-from engine.speculative import StepCosts
 
 
 class EqualCosts(StepCosts):

@@ -14,19 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
+from engine.draft_costs import StepCosts, choose_drafts
 from engine.draft_model import DraftModel, check_vocabulary
 from engine.llm_engine import LLMEngine
 from engine.outputs import accumulate
 from engine.sampling_params import SamplingParams
-from engine.speculative import (
-    Drafter,
-    SpeculativeConfig,
-    StepCosts,
-    accepted_length,
-    choose_drafts,
-    may_match,
-    propose,
-)
+from engine.speculative import Drafter, SpeculativeConfig, accepted_length, may_match, propose
 
 EOS = 2
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -700,10 +693,10 @@ def test_a_draft_models_catching_up_counts_against_its_drafts():
     costs.draft_steps = {1: 0.3, 2: 0.35, 4: 0.5, 8: 0.9}
     assert costs.catch_up(2, bucket) == 0.0 and costs.catch_up(3, bucket) == pytest.approx(0.15)
     assert costs.catch_up(16, bucket) == pytest.approx(0.9 * 2 - 0.35)
-    assert choose_drafts(0.9, 3, 0, 0.0, bucket, costs) == 3
-    assert choose_drafts(0.9, 3, 0, 0.0, bucket, costs, extra=costs.catch_up(16, bucket)) == 0
-    assert choose_drafts(0.9, 3, 0, 0.0, bucket, costs, looked_up=True,
-                         extra=costs.catch_up(16, bucket)) == 3  # lookup's: free to find
+    rounds = costs.draft_round
+    assert choose_drafts(0.9, 3, 0, 0.0, bucket, costs, rounds) == 3
+    assert choose_drafts(0.9, 3, 0, 0.0, bucket, costs, rounds, costs.catch_up(16, bucket)) == 0
+    assert choose_drafts(0.9, 3, 0, 0.0, bucket, costs) == 3  # lookup's: free to find
 
 
 def test_beside_prompt_lookup_a_draft_model_far_behind_leaves_the_step_plain():
