@@ -146,10 +146,16 @@ class DraftModel:
     def behind(self, seq: Sequence) -> int | None:
         """Tokens the next first round for `seq` would bring (None before it first drew for
         it): from its K/V's end, cut back to the target's computed tokens, through the last."""
-        done = self._computed.get(seq.seq_id)
-        if done is None:
-            return None
-        return seq.num_computed_tokens + 1 - min(done, seq.num_computed_tokens)
+        done = self._context(seq.seq_id, seq.num_computed_tokens)
+        return None if done is None else seq.num_computed_tokens + 1 - done
+
+    def _context(self, seq_id: int, start: int) -> int | None:
+        """Tokens of a sequence's draft K/V that are context for a step from `start` (the
+        target's computed tokens): those written, up to `start` (past it they are a rejected
+        draft's; a step after a verified one starts after its last kept token). None before
+        the model first drew for it."""
+        done = self._computed.get(seq_id)
+        return None if done is None else min(done, start)
 
     def draw(self, out: SchedulerOutput, seeds: dict[int, int],
              grammar: tuple[Grammars, dict] | None = None,
@@ -167,9 +173,8 @@ class DraftModel:
             self._forget(seq_id)
         self.round_seconds = []
         for e in out.scheduled:  # K/V past the target's computed tokens is of rejected drafts
-            sid = e.seq.seq_id
-            if sid in self._computed:  # (a step after a verified one starts after its last kept)
-                self._computed[sid] = min(self._computed[sid], e.start)
+            if e.seq.seq_id in self._computed:
+                self._computed[e.seq.seq_id] = self._context(e.seq.seq_id, e.start)
         entries = [e for e in out.scheduled if e.drafts and not e.looked_up]
         if not entries:
             return
