@@ -13,15 +13,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_servers",
-                                                  REPO / "scripts" / "bench_servers.py")
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-bench_servers = load_script()
+sys.modules["bench_servers_report"] = report = load_script("bench_servers_report")
+bench_servers = load_script("bench_servers")
 
 
 def test_servers_default_to_xlaserve_and_those_given_a_path():
@@ -93,8 +93,8 @@ def test_a_draft_model_drafts_for_both_servers(monkeypatch):
 def test_wrong_lengths_counts_completed_requests_only():
     run = {"requested_output_lens": [8, 8, 8, 8], "output_lens": [8, 7, 0, 9],
            "errors": ["", "", "HTTP 500", ""]}
-    assert bench_servers.wrong_lengths(run) == 2
-    assert bench_servers.cut_replies(run) == 1  # cut at the longest asked for
+    assert report.wrong_lengths(run) == 2
+    assert report.cut_replies(run) == 1  # cut at the longest asked for
 
 
 def test_natural_length_lets_replies_end_and_needs_a_dataset(monkeypatch, tmp_path, capsys):
@@ -204,7 +204,7 @@ def test_embed_table_reports_texts_and_tokens_a_second(capsys):
            "total_token_throughput": 64.0 * 130, "mean_e2el_ms": 900.0,
            "median_e2el_ms": 880.0, "p99_e2el_ms": 1500.0, "embedding_dims": [384],
            "host": "x86_64", "cpu_count": 2, "output_lens": []}
-    summary = bench_servers.run_summary(run, args)
+    summary = report.run_summary(run, args)
     assert "output_lens" not in summary and "wrong_length" not in summary
-    bench_servers.print_runs([summary], args)
+    report.print_runs([summary], args)
     assert "| xlaserve | 64 | 64.0 | 8320 | 900.0 | 880.0 | 1500.0 | 0 |" in capsys.readouterr().out
