@@ -542,18 +542,21 @@ def test_a_new_sequence_drafts_from_the_acceptance_seen_lately():
 @pytest.mark.parametrize("pair,kv", [("ngram-default-model", "float32"),
                                      ("qwen2.5-coder-0.5b-for-1.5b", "float32"),
                                      ("ngram-default-model", "auto"),
-                                     ("qwen2.5-coder-0.5b-for-1.5b", "auto")])
+                                     ("qwen2.5-coder-0.5b-for-1.5b", "auto"),
+                                     ("lookup-then-0.5b-for-1.5b", "float32")])
 def test_greedy_with_drafting_is_the_greedy_without(pair, kv):
     """64 prompts (the edits and quoted summaries of tests/data/grounded_prompts.jsonl, and
     short ones), 256 greedy tokens each, with and without drafting, every step allowed to
     draft: prompt lookup on the default model, 8 at a time, and Qwen2.5-Coder-0.5B drafting 3
-    tokens for the 1.5B (both int4), 2 at a time (tens of minutes on a 2-core CPU). With
+    tokens for the 1.5B (both int4), 2 at a time (tens of minutes on a 2-core CPU), and the
+    0.5B beside prompt lookup (the model's drafts where lookup finds none). With
     float32 KV pages the tokens are identical. With the default KV dtype (float16 pages) a
     verified chunk's attention may round differently from a lone decode's, so a sequence may
     differ only at a near-tie as models.parity defines it: at its first differing token, the
     drafting run's token is the plain run's runner-up there, within GAP_TOLERANCE of its top
     logit. The head has max_num_seqs rows, one per sequence and one per draft, so
     max_num_seqs leaves room for every draft of the sequences at once."""
+    import collections
     import dataclasses
     import json
     from pathlib import Path
@@ -570,6 +573,8 @@ def test_greedy_with_drafting_is_the_greedy_without(pair, kv):
                                        {"quantization": "int4"}, 2, 8)
         spec = {"model": str(fetch_model("qwen2.5-coder-0.5b", quiet=True)),
                 "num_speculative_tokens": 3, "max_seqs": at_once}
+        if pair.startswith("lookup"):
+            spec["prompt_lookup_max"] = 8
     cfg = EngineConfig(model=str(model), kv_cache_dtype=kv, max_model_len=1024,
                        max_num_seqs=rows, max_num_batched_tokens=128, **extra)
     plain = LLMEngine(cfg)
@@ -588,12 +593,22 @@ def test_greedy_with_drafting_is_the_greedy_without(pair, kv):
     if drafting.draft is not None:
         drafting.draft.warmup()  # its executables (the target's are warm)
     drafting.scheduler.drafting.step_costs = EqualCosts()
+    kinds = collections.Counter()  # drafting steps by whether prompt lookup drafted
+    verify = drafting.scheduler.drafting.verify
+
+    def counted(entry, rows):
+        kinds[entry.looked_up] += 1
+        return verify(entry, rows)
+
+    drafting.scheduler.drafting.verify = counted
     got = {}
     for eng in (plain, drafting):
         got[eng is drafting] = [o.outputs[0] for i in range(0, 64, at_once)
                                 for o in eng.generate(prompts[i:i + at_once], params)]
     stats = drafting.scheduler.drafting.stats
     assert stats.num_accepted_tokens > 1000, stats
+    if pair.startswith("lookup"):  # steps with each kind's drafts
+        assert kinds[True] > 0 and kinds[False] > 0, kinds
     if kv == "float32":
         assert [c.token_ids for c in got[True]] == [c.token_ids for c in got[False]]
         return
