@@ -173,8 +173,9 @@ class DraftModel:
             self._forget(seq_id)
         self.round_seconds = []
         for e in out.scheduled:  # K/V past the target's computed tokens is of rejected drafts
-            if e.seq.seq_id in self._computed:
-                self._computed[e.seq.seq_id] = self._context(e.seq.seq_id, e.start)
+            done = self._context(e.seq.seq_id, e.start)
+            if done is not None:
+                self._computed[e.seq.seq_id] = done
         entries = [e for e in out.scheduled if e.drafts and not e.looked_up]
         if not entries:
             return
