@@ -27,7 +27,7 @@ from attention_cases import (
 from ops import native
 from ops.attention import resolve_backend
 from ops.cpu_attention import cpu_ragged_paged_attention as kernel
-from ops.kv_cache import KVCache
+from ops.kv_cache import KVCache, quantize_kv
 
 pytestmark = pytest.mark.skipif(not native.available("attention"),
                                 reason=f"CPU kernel unavailable: {native.reason('attention')}")
@@ -94,6 +94,31 @@ def test_a_rows_output_does_not_depend_on_the_other_sequences(kv_len, window, ca
     for split in (True, False):
         check_kernel(kernel, _case([(1, kv_len), (0, 0)]), sliding_window=window,
                      soft_cap=cap, blocks={"split": split})
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("rows, num_kv_heads, group", [(5, 3, 3), (2, 2, 8), (20, 3, 3)])
+def test_a_row_is_the_same_bits_alone_or_last_of_a_chunk(rows, num_kv_heads, group, kv_dtype):
+    """A row that is a lone decode in one sequence and the last of `rows` in another, over
+    the same pages and with the same query, gives the same bits: a drafting step's rows
+    verify exactly what a decode would sample (the greedy tokens with and without drafting
+    are the same), whether the chunk is one work item over every KV head (a few rows) or
+    items of one KV head each (20 rows)."""
+    kv_len = 300
+    case = _case([(rows, kv_len), (1, kv_len), (0, 0)], num_kv_heads=num_kv_heads, group=group)
+    q = case.q.at[rows].set(case.q[rows - 1])  # the lone row asks what the chunk's last does
+    md = case.md
+    tables = md.page_tables.at[1].set(md.page_tables[0])  # ... of the same keys
+    md = dataclasses.replace(md, page_tables=tables)
+    cache = case.cache
+    if kv_dtype == "int8":
+        (k, ks), (v, vs) = quantize_kv(cache.k), quantize_kv(cache.v)
+        cache = KVCache(k, v, ks, vs)
+    elif kv_dtype != "float32":
+        cache = KVCache(cache.k.astype(kv_dtype), cache.v.astype(kv_dtype))
+    out = np.asarray(kernel(q, cache, LAYER, md, sm_scale=0.125, split=False))
+    assert out[rows].tobytes() == out[rows - 1].tobytes()
+    assert np.abs(out[rows]).max() > 0
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 8, 32])
