@@ -19,7 +19,7 @@
 // them to float32, and folds them into an online softmax in float32: the scores of a key
 // block are one vector, their exp is vectorised, and nothing beyond a row's own keys
 // (causal, sliding window) is read; each KV head asks for its next block into L2 while it
-// folds one (`kBlocksAhead`). A sequence with few rows (a decode) is one item over
+// folds one (`PrefetchHead`). A sequence with few rows (a decode) is one item over
 // all its KV heads, so its pages are read in order; a longer chunk's items are rows x the
 // query heads of one KV head. Each value vector is loaded once for up to 4 queries of its
 // KV head, and the running maximum's exp is taken only when a block raises it (together:
@@ -153,27 +153,39 @@ inline void AddValues(float* acc, const int64_t* xs, const float* wts, const flo
   if (D - d >= 16) AddTile<1, NQ>(acc, xs, wts, corr, vf, n, D, d);
 }
 
-// Key blocks each KV head asks for ahead of the one it folds. A decode's keys come from memory
-// (a layer's weights pass through the caches between its attention calls) and its pages lie
-// anywhere in the pool, so each page starts the hardware's prefetchers cold: the default
-// model's lone decode over 620 keys of float16 pages, one thread, each layer's call after a
-// read of 3.5 MB (a C++ driver, 2-vCPU EPYC Zen 4), took 104-114 us a layer against ~34 from
-// cache, and a plain read of the same pages ~50. With the next block asked for into L2: 62 us
-// (4 rows 180-186 -> 137; 2,000 keys 312-315 -> 179-196); 30 such calls in one jit with XLA's
-// threads, 1.96-2.20 -> 1.16-1.21 ms. Into L1, or two blocks ahead, gained less or nothing.
-constexpr int64_t kBlocksAhead = 1;
+// The token rows in the pool (without the KV head) of keys [j0, j0 + n), n <= kKeys, one
+// block: page and offset advance by counting (two integer divisions per key cost more than
+// the key's arithmetic at head_dim 64), and a page outside the pool is never read.
+inline void BlockRows(const Problem& p, const int32_t* table, int64_t j0, int64_t n,
+                      int64_t* rows) {
+  int64_t slot = j0 / p.page_size, offset = j0 % p.page_size, base = -1;
+  for (int64_t j = 0; j < n; ++j) {
+    if (base < 0 || offset == p.page_size) {
+      if (offset == p.page_size) ++slot, offset = 0;
+      const int64_t page = std::clamp<int64_t>(table[slot], 0, p.num_pages - 1);
+      base = (p.layer * p.num_pages + page) * p.page_size;
+    }
+    rows[j] = base + offset++;
+  }
+}
 
-// Ask for one KV head's K and V vectors (and int8 scales) of keys [j0, j1), a line at a time.
+// Each KV head asks for the next block's keys while it folds one. A decode's keys come from
+// memory (a layer's weights pass through the caches between its attention calls) and its
+// pages lie anywhere in the pool, so each page starts the hardware's prefetchers cold: the
+// default model's lone decode over 620 keys of float16 pages, one thread, each layer's call
+// after a read of 3.5 MB (a C++ driver, 2-vCPU EPYC Zen 4), took 104-114 us a layer against
+// ~34 from cache, and a plain read of the same pages ~50. With the next block asked for into
+// L2: 62 us (4 rows 180-186 -> 137; 2,000 keys 312-315 -> 179-196); 30 such calls in one jit
+// with XLA's threads, 1.96-2.20 -> 1.16-1.21 ms. Into L1, or two blocks ahead, gained less or
+// nothing. This asks for one KV head's K and V vectors (and int8 scales) of the n keys at
+// `rows`, a line at a time.
 template <Pages kPages>
-inline void PrefetchHead(const Problem& p, const int32_t* table, int64_t head, int64_t j0,
-                         int64_t j1) {
+inline void PrefetchHead(const Problem& p, const int64_t* rows, int64_t n, int64_t head) {
   constexpr int64_t kBytes = kPages == Pages::kF32 ? 4 : kPages == Pages::kI8 ? 1 : 2;
   const char* k = static_cast<const char*>(p.k);
   const char* v = static_cast<const char*>(p.v);
-  for (int64_t j = j0; j < j1; ++j) {
-    const int64_t page = std::clamp<int64_t>(table[j / p.page_size], 0, p.num_pages - 1);
-    const int64_t row = (p.layer * p.num_pages + page) * p.page_size + j % p.page_size;
-    const int64_t vec = row * p.Hkv + head;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t vec = rows[j] * p.Hkv + head;
     for (int64_t b = 0; b < p.D * kBytes; b += 64) {
       PrefetchL2(k + vec * p.D * kBytes + b);
       PrefetchL2(v + vec * p.D * kBytes + b);
@@ -215,30 +227,21 @@ void RunItem(const Problem& p, const Item& it) {
   }
   keys_begin = std::max(keys_begin, it.key0);  // a part of a split decode: its keys only
   keys_end = std::min(keys_end, it.key1);
-  int64_t rows_at[kKeys];  // the block's keys' token rows in the pool (without the head)
+  // The block's keys' token rows in the pool, and the next block's (`BlockRows`)
+  int64_t rows_at[kKeys], rows_next[kKeys];
   const int64_t keys_first = keys_begin / kKeys * kKeys;
+  int64_t n_next = std::min(kKeys, keys_end - keys_first);
+  if (n_next > 0) BlockRows(p, table, keys_first, n_next, rows_next);
   for (int64_t hh = 0; hh < it.heads; ++hh)
-    PrefetchHead<kPages>(p, table, it.head0 + hh, keys_begin,
-                         std::min(keys_end, keys_first + kBlocksAhead * kKeys));
+    PrefetchHead<kPages>(p, rows_next, n_next, it.head0 + hh);
   for (int64_t j0 = keys_first; j0 < keys_end; j0 += kKeys) {
-    const int64_t ahead = j0 + kBlocksAhead * kKeys;  // the block each head asks for next
-    const int64_t n = std::min(kKeys, keys_end - j0);
-    // The block's keys walk their pages in order: page and offset advance by counting
-    // (two integer divisions per key cost more than the key's arithmetic at head_dim 64).
-    int64_t slot = j0 / p.page_size, offset = j0 % p.page_size, base = -1;
-    for (int64_t j = 0; j < n; ++j) {
-      if (base < 0 || offset == p.page_size) {
-        if (offset == p.page_size) ++slot, offset = 0;
-        // never read outside the pool
-        const int64_t page = std::clamp<int64_t>(table[slot], 0, p.num_pages - 1);
-        base = (p.layer * p.num_pages + page) * p.page_size;
-      }
-      rows_at[j] = base + offset++;
-    }
+    const int64_t n = n_next;
+    std::copy(rows_next, rows_next + n, rows_at);
+    n_next = std::min(kKeys, keys_end - j0 - kKeys);
+    if (n_next > 0) BlockRows(p, table, j0 + kKeys, n_next, rows_next);
     for (int64_t hh = 0; hh < it.heads; ++hh) {
       const int64_t head = it.head0 + hh;
-      if (ahead < keys_end)
-        PrefetchHead<kPages>(p, table, head, ahead, std::min(keys_end, ahead + kKeys));
+      PrefetchHead<kPages>(p, rows_next, n_next, head);  // the next block's, as this one folds
       for (int64_t j = 0; j < kKeys; ++j) {  // this KV head's keys and values of the block
         if (j < n) {
           const int64_t vec = rows_at[j] * p.Hkv + head;
