@@ -43,9 +43,11 @@ class AttentionMetadata:
     work_block_q: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
+@functools.partial(jax.jit, static_argnames="num_tokens")
 def row_layout(query_start_loc, kv_lens, num_tokens: int):
     """`(positions, token_seq)` of `AttentionMetadata` from the per-sequence arrays (tests,
-    single-sequence decoding); the engine fills them on the host instead."""
+    single-sequence decoding); the engine fills them on the host instead. Compiled as one
+    program: op by op, its dozen small ops each compiled for every new shape."""
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
     seq = jnp.searchsorted(query_start_loc, rows, side="right").astype(jnp.int32) - 1
     num_seqs = kv_lens.shape[0]

@@ -12,7 +12,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import LAYER, make_case, oracle, rel_err
+from attention_cases import LAYER, make_case, oracle, reference, rel_err
 
 from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.llm_engine import LLMEngine
@@ -48,7 +48,7 @@ def test_auto_and_refusals_by_platform():
 
 
 KERNELS = {
-    "reference": ref_ragged_paged_attention,
+    "reference": reference,
     "cpu": cpu_ragged_paged_attention,
     "pallas-gpu": pallas_gpu_ragged_paged_attention,  # interpreted on CPU
     "pallas-tpu": pallas_tpu_ragged_paged_attention,  # interpreted on CPU

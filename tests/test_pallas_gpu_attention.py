@@ -20,11 +20,11 @@ from attention_cases import (
     case_of,
     check_kernel,
     make_case,
+    reference,
 )
 
 from ops.kv_cache import KVCache
 from ops.pallas_gpu_attention import _block_sizes, pallas_gpu_ragged_paged_attention
-from ops.reference_attention import ref_ragged_paged_attention
 
 # interpret=None: interpreted on CPU, compiled on a GPU (the bring-up runs these there).
 kernel = functools.partial(pallas_gpu_ragged_paged_attention, interpret=None)
@@ -96,7 +96,7 @@ def test_traced_layer_under_jit_and_scan():
     _, per_layer = jax.lax.scan(lambda c, layer: (c, attend(layer)), None,
                                 jnp.arange(NUM_LAYERS))
     for layer in range(NUM_LAYERS):
-        ref = ref_ragged_paged_attention(case.q, case.cache, layer, case.md, sm_scale=sm_scale)
+        ref = reference(case.q, case.cache, layer, case.md, sm_scale=sm_scale)
         np.testing.assert_allclose(per_layer[layer], ref, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(jax.jit(attend)(layer), ref, rtol=1e-5, atol=1e-5)
     assert not np.allclose(per_layer[0], per_layer[1])  # the layer index is really used

@@ -17,11 +17,11 @@ from attention_cases import (
     case_from,
     check_kernel,
     make_case,
+    reference,
 )
 
 from ops.kv_cache import KVCache, quantize_kv, read_kv
 from ops.pallas_tpu_attention import pallas_tpu_ragged_paged_attention
-from ops.reference_attention import ref_ragged_paged_attention
 
 kernel = functools.partial(pallas_tpu_ragged_paged_attention, interpret=True)
 
@@ -109,7 +109,7 @@ def test_small_blocks(block_q, pages_per_block):
 def test_traced_layer_under_jit_and_scan():
     case = _small_case(group=2)
     sm_scale = 0.125
-    expected = [ref_ragged_paged_attention(case.q, case.cache, layer, case.md, sm_scale=sm_scale)
+    expected = [reference(case.q, case.cache, layer, case.md, sm_scale=sm_scale)
                 for layer in range(2)]
     assert float(jnp.max(jnp.abs(expected[0] - expected[1]))) > 0.1  # the layer matters
 
@@ -132,7 +132,7 @@ def test_default_interpret_on_cpu():
     case = _small_case(group=1)  # test_soft_cap's shapes and statics: a compile-cache hit
     kw = dict(sm_scale=0.125, soft_cap=2.0)
     out = pallas_tpu_ragged_paged_attention(case.q, case.cache, 0, case.md, **kw)
-    ref = ref_ragged_paged_attention(case.q, case.cache, 0, case.md, **kw)
+    ref = reference(case.q, case.cache, 0, case.md, **kw)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
