@@ -3,6 +3,7 @@ server where they need one), and every flag the long-running ones give exists.""
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import shutil
@@ -49,14 +50,20 @@ def _program(words: list[str]) -> list[str]:
     return []
 
 
+@functools.cache
+def _help(program: tuple[str, ...]) -> str:
+    """The program's --help (several commands share one: each start imports jax, seconds)."""
+    return subprocess.run([*program, "--help"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout
+
+
 @pytest.mark.parametrize("command", [c for c in _commands() if "python" in c
                                      and "pip install" not in c])
 def test_every_flag_of_a_command_exists(command):
     words = shlex.split(command)
     program = _program(words)
     assert program, f"not a python command: {command}"
-    help_text = subprocess.run([*program, "--help"], cwd=ROOT, capture_output=True, text=True,
-                               check=True).stdout
+    help_text = _help(tuple(program))
     for flag in (w.split("=")[0] for w in words[len(program):] if w.startswith("--")):
         assert re.search(rf"{re.escape(flag)}\b", help_text), f"{flag} of {command!r}"
     if "--model" in words and program[-1] == "server":
