@@ -227,8 +227,11 @@ void RunItem(const Problem& p, const Item& it) {
   }
   keys_begin = std::max(keys_begin, it.key0);  // a part of a split decode: its keys only
   keys_end = std::min(keys_end, it.key1);
-  // The block's keys' token rows in the pool, and the next block's (`BlockRows`)
-  int64_t rows_at[kKeys], rows_next[kKeys];
+  // The block's keys' token rows in the pool, and the next block's (`BlockRows`): two
+  // buffers that trade places each block
+  int64_t rows_a[kKeys], rows_b[kKeys];
+  int64_t* rows_at = rows_a;
+  int64_t* rows_next = rows_b;
   const int64_t keys_first = keys_begin / kKeys * kKeys;
   int64_t n_next = std::min(kKeys, keys_end - keys_first);
   if (n_next > 0) BlockRows(p, table, keys_first, n_next, rows_next);
@@ -236,7 +239,7 @@ void RunItem(const Problem& p, const Item& it) {
     PrefetchHead<kPages>(p, rows_next, n_next, it.head0 + hh);
   for (int64_t j0 = keys_first; j0 < keys_end; j0 += kKeys) {
     const int64_t n = n_next;
-    std::copy(rows_next, rows_next + n, rows_at);
+    std::swap(rows_at, rows_next);
     n_next = std::min(kKeys, keys_end - j0 - kKeys);
     if (n_next > 0) BlockRows(p, table, j0 + kKeys, n_next, rows_next);
     for (int64_t hh = 0; hh < it.heads; ++hh) {
