@@ -35,7 +35,9 @@ directory gets nothing written into it (a refused root turns the store off).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import logging
 import os
@@ -87,6 +89,7 @@ MAX_BYTES = 4 << 30
 # The program index: one file per program digest (ExecutableStore.program), holding the path
 # below the root of the file last stored for it.
 PROGRAMS = "programs"
+LOCK = "compiling.lock"  # in each key's directory: ExecutableStore.compiling
 _STORED = re.compile(r"[0-9a-f]{32}/[a-z0-9]+-[0-9]+\.pkl")
 
 # EngineConfig fields that cannot change a compiled step (names, served limits, seeds).
@@ -266,17 +269,53 @@ class ExecutableStore:
             return
         self._write(bucket, blob, program)
 
-    def _write(self, bucket: tuple[str, int], blob: bytes, program: str | None) -> None:
+    def _make_directory(self, *others: str) -> bool:
+        """This key's directory (and `others` below the root) made or found this user's
+        alone; a new one first prunes the others (_prune). False, with a warning, when
+        refused."""
         new = not self.directory.exists()
         try:  # nothing is written into a directory that is not this user's alone
-            cache_trust.private_dir(self.root, self.name)
-            if program is not None:
-                cache_trust.private_dir(self.root, PROGRAMS)
+            for name in (self.name, *others):
+                cache_trust.private_dir(self.root, name)
         except OSError as e:  # UntrustedPath among them
             self._refuse(e)
-            return
+            return False
         if new:
             self._prune()
+        return True
+
+    @contextlib.contextmanager
+    def compiling(self):
+        """Held while this process compiles executables for this key: a second process
+        starting the same configuration (two servers at once, a restart) waits here, then
+        finds them stored instead of compiling them too. An exclusive lock on a file in the
+        key's directory, let go when the holder exits however it ends; where none can be
+        taken, nothing is held (both compile, as without it)."""
+        fd = None
+        if self._make_directory():
+            try:
+                fd = os.open(self.directory / LOCK,
+                             os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    logger.info("another process is compiling this configuration's "
+                                "executables into the store; waiting for it")
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                logger.info("compiling without the store's lock (%s)", e)
+                if fd is not None:
+                    os.close(fd)
+                fd = None
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # the lock goes with the descriptor
+
+    def _write(self, bucket: tuple[str, int], blob: bytes, program: str | None) -> None:
+        if not self._make_directory(*([PROGRAMS] if program is not None else [])):
+            return
         _write_whole(self._path(bucket), blob)
         if program is not None:  # the newest copy: the last to be pruned
             _write_whole(self.root / PROGRAMS / program, self._relative(bucket).encode())

@@ -212,10 +212,11 @@ class StepTable:
         start = time.perf_counter()
         loaded_before = self.num_stored_loads
         buckets = self.config.buckets()
-        if self.compiles_in_child:
-            missing = [b for b in buckets if not self.store.has(b)]
-            if missing:
-                self._compile_in_child(missing)
+        if self.compiles_in_child and any(not self.store.has(b) for b in buckets):
+            with self.store.compiling():  # another process may be compiling them: wait
+                missing = [b for b in buckets if not self.store.has(b)]
+                if missing:
+                    self._compile_in_child(missing)
         bar = progress_bar(total=len(buckets), desc="Compiling", unit="executable")
         workers = 1 if self.cluster is not None else compile_workers()
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:

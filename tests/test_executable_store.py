@@ -64,6 +64,42 @@ def test_a_second_runner_loads_every_executable_and_computes_the_same(default_gg
     assert second.compilations_after_warmup == 0
 
 
+def test_a_second_process_waits_for_the_first_to_compile_then_loads(tiny, store_dir,
+                                                                     monkeypatch, caplog):
+    """Two runners of one configuration starting at once (two servers, a restart): the one
+    that finds the store empty second waits on the store's lock while the first compiles,
+    then loads every executable instead of compiling them in a child of its own."""
+    import fcntl
+    import logging
+    import threading
+
+    caplog.set_level(logging.INFO, logger="engine.executable_store")
+    first, second = ModelRunner(_config(tiny)), ModelRunner(_config(tiny))
+    children = []
+    monkeypatch.setattr(second, "_compile_in_child", children.append)
+    waiting, real_flock = threading.Event(), fcntl.flock
+
+    def flock(fd, operation):
+        if threading.current_thread() is starting:
+            waiting.set()  # the second runner is at the lock
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    starting = threading.Thread(target=second.warmup)
+    with first.store.compiling():
+        starting.start()
+        assert waiting.wait(timeout=300)
+        for bucket in first.config.buckets():
+            first.compile_bucket(bucket)
+        assert starting.is_alive()  # still held at the lock
+    starting.join(timeout=300)
+    assert not starting.is_alive() and second.warm
+    assert children == []  # nothing left to compile once it had the lock
+    assert "another process is compiling this configuration's executables" in caplog.text
+    assert second.num_stored_loads == len(second.config.buckets())
+    np.testing.assert_array_equal(_step(second), _step(first))
+
+
 def test_another_shape_or_a_broken_file_is_compiled(tiny, store_dir, caplog):
     first = ModelRunner(_config(tiny))
     first.compile_bucket(("tokens", 2))

@@ -135,7 +135,8 @@ AUTH = {"Authorization": f"Bearer {SERVER_KEY}"}
 @pytest.fixture(scope="module")
 def server(default_gguf, tmp_path_factory):
     log = tmp_path_factory.mktemp("streams") / "server.log"
-    with default_model_server(log, "--max-model-len", "1100",
+    # The tool loop's length (tests/test_tool_loop.py): one configuration to compile.
+    with default_model_server(log, "--max-model-len", "2048",
                               "--stream-stall-timeout", str(STALL_TIMEOUT)) as url:
         yield url, log
 
